@@ -72,10 +72,10 @@ class Model:
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
-        self.n_batch = n_batch
+        self.n_batch = llama_cpp.llama_n_batch(self._ctx)  # llama.cpp caps it at n_ctx
         self.n_threads = threads
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.tokens: list[int] = []
 
     # --- vocabulary -------------------------------------------------------

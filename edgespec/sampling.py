@@ -76,6 +76,24 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), len(p) - 1))
 
 
+def acceptance_probability(p: np.ndarray, q: np.ndarray | None, x: int) -> float:
+    """min(1, p(x)/q(x)); a deterministic draft (q None) is the point mass δx."""
+    q_x = 1.0 if q is None else q[x]
+    return min(1.0, p[x] / q_x) if q_x > 0 else 0.0
+
+
+def residual_distribution(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
+    """norm(max(p - q, 0)): where the next token comes from after x is rejected."""
+    if q is None:
+        r = p.copy()
+        r[x] = 0.0  # max(p - δx, 0): x removed
+    else:
+        r = np.maximum(p - q, 0.0)
+    total = r.sum()
+    # total == 0 only if p == q up to rounding, where rejection has probability ~0: any draw from p is exact
+    return r / total if total > 0 else p
+
+
 def verify(
     draft: list[int],
     q_rows: np.ndarray | None,
@@ -85,7 +103,7 @@ def verify(
     """Accept a draft left to right; return (number accepted, next token).
 
     draft: γ proposed token ids. q_rows: (γ, V) draft distributions, or None for a
-    deterministic draft (point masses q = δx). p_rows: (γ+1, V) target distributions,
+    deterministic draft (point masses). p_rows: (γ+1, V) target distributions,
     row i conditioned on the context plus draft[:i].
 
     Token x_i is accepted with probability min(1, p_i(x)/q_i(x)). At the first
@@ -94,18 +112,9 @@ def verify(
     result is distributed exactly as the target alone (Leviathan et al., Thm 1).
     """
     for i, x in enumerate(draft):
-        p = p_rows[i]
-        q_x = 1.0 if q_rows is None else q_rows[i][x]
-        if q_x > 0 and rng.random() * q_x < p[x]:  # u < p(x)/q(x), without dividing
-            continue
-        if q_rows is None:
-            residual = p.copy()
-            residual[x] = 0.0  # max(p - δx, 0): x removed, the rest renormalised by sample()
-        else:
-            residual = np.maximum(p - q_rows[i], 0.0)
-        if residual.sum() <= 0:  # p == q up to rounding: any draw from p is exact
-            residual = p
-        return i, sample(residual, rng)
+        q = None if q_rows is None else q_rows[i]
+        if rng.random() >= acceptance_probability(p_rows[i], q, x):
+            return i, sample(residual_distribution(p_rows[i], q, x), rng)
     return len(draft), sample(p_rows[len(draft)], rng)
 
 

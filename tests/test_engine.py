@@ -1,0 +1,160 @@
+"""The engine on real SmolLM2 contexts: exactness, KV handling, stopping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_greedy_match
+from scipy import stats as scipy_stats
+
+from edgespec import Draft, EdgespecError, Engine, Model, SamplingParams
+from edgespec.sampling import distribution
+
+PROMPTS = [
+    "Write a Python function that returns the factorial of n.",
+    "List three facts about the Moon.",
+    "Explain what a hash map is in two sentences.",
+]
+GREEDY = dict(temperature=0, max_tokens=48)
+
+
+class RandomDrafter:
+    """A deliberately bad drafter: uniformly random tokens, deterministic (point masses)."""
+
+    def __init__(self, n_vocab: int, seed: int = 0) -> None:
+        self.n_vocab, self.rng = n_vocab, np.random.default_rng(seed)
+
+    def prefill(self, context):
+        pass
+
+    def draft(self, context, n, params, rng):
+        return Draft(self.rng.integers(0, self.n_vocab, n).tolist())
+
+
+@pytest.mark.parametrize("engine_name", ["self_engine", "requant_engine"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculative_equals_no_draft(request, engine_name, prompt):
+    engine: Engine = request.getfixturevalue(engine_name)
+    baseline = engine.generate(prompt, speculative=False, **GREEDY)
+    spec = engine.generate(prompt, **GREEDY)
+    assert spec.stats.mode == "speculative" and spec.stats.rounds < spec.stats.n_tokens
+    assert baseline.stats.mode == "target-only" and baseline.stats.drafted == 0
+    tokens = engine.prompt_tokens(prompt)
+    assert_greedy_match(f"{engine_name}/{prompt[:20]}", engine.target, tokens, baseline.tokens, spec.tokens)
+    if spec.tokens == baseline.tokens:
+        assert spec.text == baseline.text
+
+
+def test_bad_drafter_still_gives_target_output(smollm2):
+    engine = Engine(smollm2, RandomDrafter(smollm2.n_vocab), gamma=4)
+    prompt = PROMPTS[0]
+    baseline = engine.generate(prompt, speculative=False, **GREEDY)
+    spec = engine.generate(prompt, **GREEDY)
+    assert spec.stats.acceptance_rate < 0.05  # nearly every round rejects and truncates the KV cache
+    assert_greedy_match("random-drafter", smollm2, engine.prompt_tokens(prompt), baseline.tokens, spec.tokens)
+
+
+def test_bad_drafter_sampled_mode_is_reproducible(smollm2):
+    run = lambda: Engine(smollm2, RandomDrafter(smollm2.n_vocab)).generate(PROMPTS[1], max_tokens=24, seed=7)
+    first, second = run(), run()
+    assert first.tokens == second.tokens and first.stats.n_tokens == 24
+
+
+def test_first_token_distribution_matches_target(requant_engine):
+    """Sampled mode: the first generated token over 2000 runs follows the target's
+    exact distribution (chi-square), through draft + accept/resample."""
+    engine, gamma, runs = requant_engine, 3, 2000
+    prompt = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSure! My favourite animal is the"
+    params = dict(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0)
+    tokens = engine.prompt_tokens(prompt, raw=True)
+    # the target's probabilities for that position, from a batch shaped like a verify batch
+    target = engine.target
+    target.eval(tokens[target.sync(tokens) : -1])
+    logits = target.eval([tokens[-1]] + [tokens[-1]] * gamma, all_logits=True)[0]
+    p = distribution(logits, SamplingParams(**params))
+    counts: dict[int, int] = {}
+    sources = set()
+    rng = np.random.default_rng(123)
+    for _ in range(runs):
+        events = engine.stream(prompt, raw=True, gamma=gamma, max_tokens=8, seed=int(rng.integers(2**32)), **params)
+        first = next(events)
+        events.close()
+        counts[first.token] = counts.get(first.token, 0) + 1
+        sources.add(first.source)
+    assert sources == {"draft", "target"}  # both paths (accepted draft, resampled) were exercised
+    support = np.flatnonzero(p)
+    assert set(counts) <= set(support.tolist())
+    observed = np.array([counts.get(int(t), 0) for t in support])
+    expected = p[support] * runs
+    big = expected >= 5  # pool rare tokens into one bin so the test is valid
+    obs = np.r_[observed[big], observed[~big].sum()]
+    exp = np.r_[expected[big], expected[~big].sum()]
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert scipy_stats.chisquare(obs, exp).pvalue > 0.01
+
+
+def test_multi_turn_reuses_kv_prefix(self_engine):
+    messages = [{"role": "user", "content": "Say hello."}]
+    first = self_engine.chat(messages, temperature=0, max_tokens=16)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now say goodbye."}]
+    second = self_engine.chat(messages, temperature=0, max_tokens=16)
+    assert second.stats.n_prompt_cached >= first.stats.n_prompt - 1
+    assert second.stats.n_prompt > first.stats.n_prompt
+    # and the reused cache gives the same answer as a cold start
+    self_engine.target.truncate(0)
+    cold = self_engine.chat(messages, temperature=0, max_tokens=16)
+    assert cold.stats.n_prompt_cached == 0
+    assert_greedy_match("multi-turn", self_engine.target, self_engine.prompt_tokens(messages), cold.tokens, second.tokens)
+
+
+def test_provenance_and_stats(self_engine):
+    events = list(self_engine.stream(PROMPTS[0], **GREEDY))
+    final, tokens = events[-1], events[:-1]
+    assert final.done and final.stats.finish_reason in ("length", "stop")
+    assert {e.source for e in tokens} == {"draft", "target"}
+    s = final.stats
+    assert s.n_tokens == len(tokens)
+    assert sum(e.source == "target" for e in tokens) <= s.rounds
+    assert s.accepted <= s.drafted and 0 < s.acceptance_rate <= 1
+    assert 1 <= s.tokens_per_round <= s.gamma + 1
+    assert s.tokens_per_s > 0 and s.decode_s >= s.draft_s + s.verify_s > 0
+
+
+def test_max_tokens_and_stop_strings(self_engine):
+    out = self_engine.generate("Count from 1 to 20, separated by commas.", temperature=0, max_tokens=5)
+    assert out.stats.n_tokens == 5 and out.finish_reason == "length"
+    full = self_engine.generate("Count from 1 to 20, separated by commas.", temperature=0, max_tokens=60)
+    assert "4" in full.text
+    stop = full.text[full.text.index("4") :][:3]  # a stop string spanning several tokens
+    cut = self_engine.generate("Count from 1 to 20, separated by commas.", temperature=0, max_tokens=60, stop=[stop])
+    assert cut.finish_reason == "stop_string"
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+def test_end_of_generation_stops(self_engine):
+    out = self_engine.generate("Reply with just the word yes.", temperature=0, max_tokens=200)
+    assert out.finish_reason == "stop" and out.stats.n_tokens < 200
+    assert "<|im_end|>" not in out.text
+
+
+def test_context_full_and_prompt_too_long(smollm2_path):
+    target, draft = Model(smollm2_path, n_ctx=64), Model(smollm2_path, n_ctx=64)
+    from edgespec import ModelDrafter
+
+    with Engine(target, ModelDrafter(draft, target.n_vocab), owned=[target, draft]) as engine:
+        out = engine.generate("Tell me a long story about a dragon.", temperature=0, max_tokens=500)
+        assert out.finish_reason == "context"
+        assert out.stats.n_prompt + out.stats.n_tokens >= target.n_ctx - 4
+        with pytest.raises(EdgespecError, match=f"context holds {target.n_ctx}"):
+            engine.generate("word " * target.n_ctx)
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [({"gamma": 0}, "gamma"), ({"max_tokens": 0}, "max-tokens"), ({"temperature": -1}, "temperature"),
+     ({"top_p": 0}, "top-p")],
+)  # fmt: skip
+def test_bad_parameters(self_engine, kwargs, word):
+    with pytest.raises(EdgespecError, match=word):
+        self_engine.generate("hi", **kwargs)

@@ -1,0 +1,128 @@
+"""The probability math, exactly and by simulation (no llama.cpp)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from edgespec import EdgespecError, SamplingParams
+from edgespec.sampling import (
+    acceptance_probability,
+    distribution,
+    residual_distribution,
+    sample,
+    verify,
+    verify_greedy,
+)
+
+RNG = np.random.default_rng(0)
+
+
+def random_dist(v: int, support: int | None = None, rng=RNG) -> np.ndarray:
+    p = rng.dirichlet(np.ones(v) * 0.5)
+    if support is not None:  # zero all but `support` random entries
+        p[rng.permutation(v)[support:]] = 0.0
+    return p / p.sum()
+
+
+def output_distribution(p: np.ndarray, q: np.ndarray | None, draft_token: int | None = None) -> np.ndarray:
+    """Exact distribution of the token one verification step emits: draw x ~ q
+    (or take the deterministic x), accept w.p. a(x), else draw from the residual."""
+    out = np.zeros_like(p)
+    xs = [(draft_token, 1.0)] if q is None else [(x, q[x]) for x in np.flatnonzero(q)]
+    for x, q_x in xs:
+        a = acceptance_probability(p, q, x)
+        out[x] += q_x * a
+        out += q_x * (1 - a) * residual_distribution(p, q, x)
+    return out
+
+
+@pytest.mark.parametrize("case", ["dense", "truncated", "disjoint", "equal"])
+def test_accept_plus_residual_is_exactly_p(case):
+    for _ in range(50):
+        v = 12
+        if case == "dense":
+            p, q = random_dist(v), random_dist(v)
+        elif case == "truncated":  # top-k-like supports that partly overlap
+            p, q = random_dist(v, support=4), random_dist(v, support=5)
+        elif case == "disjoint":
+            p = np.r_[random_dist(6), np.zeros(6)]
+            q = np.r_[np.zeros(6), random_dist(6)]
+        else:
+            p = random_dist(v)
+            q = p.copy()
+        np.testing.assert_allclose(output_distribution(p, q), p, atol=1e-9)
+
+
+def test_point_mass_draft_is_exactly_p():
+    for _ in range(50):
+        p = random_dist(10, support=6)
+        for x in range(10):  # also drafts the target gives probability 0
+            np.testing.assert_allclose(output_distribution(p, None, x), p, atol=1e-9)
+
+
+def test_verify_monte_carlo_two_tokens():
+    """End to end through verify(): with γ=2 over a toy context-dependent model,
+    the first two emitted tokens are distributed as the target's joint."""
+    v, rng = 4, np.random.default_rng(1)
+    p_table = {c: random_dist(v, rng=rng) for c in [(), *[(a,) for a in range(v)]]}
+    q_table = {c: random_dist(v, rng=rng) for c in p_table}
+    counts = np.zeros((v, v))
+    n = 20000
+    for _ in range(n):
+        out: list[int] = []
+        while len(out) < 2:
+            ctx = tuple(out)
+            draft, q_rows = [], []
+            for _ in range(2):
+                q = q_table[ctx + tuple(draft)] if len(ctx) + len(draft) < 2 else random_dist(v, rng=rng)
+                draft.append(sample(q, rng))
+                q_rows.append(q)
+            p_rows = [p_table.get(ctx + tuple(draft[:i]), np.full(v, 1 / v)) for i in range(3)]
+            k, nxt = verify(draft, np.array(q_rows), np.array(p_rows), rng)
+            out += draft[:k] + [nxt]
+        counts[out[0], out[1]] += 1
+    expected = np.array([[p_table[()][a] * p_table[(a,)][b] for b in range(v)] for a in range(v)]) * n
+    assert scipy_stats.chisquare(counts.ravel(), expected.ravel()).pvalue > 0.01
+
+
+def test_sample_follows_distribution():
+    rng = np.random.default_rng(2)
+    p = np.array([0.5, 0.0, 0.3, 0.2, 0.0])
+    draws = np.bincount([sample(p, rng) for _ in range(20000)], minlength=5)
+    assert draws[1] == draws[4] == 0
+    assert scipy_stats.chisquare(draws[[0, 2, 3]], p[[0, 2, 3]] * 20000).pvalue > 0.01
+
+
+def test_verify_greedy():
+    assert verify_greedy([5, 6, 7], [5, 6, 7, 8]) == (3, 8)
+    assert verify_greedy([5, 9, 7], [5, 6, 7, 8]) == (1, 6)
+    assert verify_greedy([], [4]) == (0, 4)
+
+
+def test_distribution_filters():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.07, 0.03]))
+    plain = distribution(logits, SamplingParams(temperature=1, top_k=0, top_p=1, min_p=0))
+    np.testing.assert_allclose(plain, [0.4, 0.3, 0.2, 0.07, 0.03], atol=1e-12)
+    top2 = distribution(logits, SamplingParams(temperature=1, top_k=2, top_p=1, min_p=0))
+    np.testing.assert_allclose(top2, [4 / 7, 3 / 7, 0, 0, 0], atol=1e-12)
+    top_p = distribution(logits, SamplingParams(temperature=1, top_k=0, top_p=0.75, min_p=0))
+    np.testing.assert_allclose(top_p, [4 / 9, 3 / 9, 2 / 9, 0, 0], atol=1e-12)
+    min_p = distribution(logits, SamplingParams(temperature=1, top_k=0, top_p=1, min_p=0.6))
+    np.testing.assert_allclose(min_p, [4 / 7, 3 / 7, 0, 0, 0], atol=1e-12)
+    hot = distribution(logits, SamplingParams(temperature=2, top_k=0, top_p=1, min_p=0))
+    expected = np.sqrt([0.4, 0.3, 0.2, 0.07, 0.03])
+    np.testing.assert_allclose(hot, expected / expected.sum(), atol=1e-12)
+    greedy = distribution(logits, SamplingParams(temperature=0))
+    np.testing.assert_array_equal(greedy, [1, 0, 0, 0, 0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top-p"), ({"top_p": 1.5}, "top-p"),
+     ({"top_k": -1}, "top-k"), ({"min_p": 2}, "min-p")],
+)  # fmt: skip
+def test_bad_sampling_params(kwargs, word):
+    with pytest.raises(EdgespecError, match=word):
+        SamplingParams(**kwargs)
