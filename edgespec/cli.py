@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from .errors import EdgespecError
+from .sampling import SamplingParams
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)  # llama.cpp's
 
@@ -38,9 +40,8 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    sampling = dict(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
-    )
+    # validate before loading models, so a typo costs no load time
+    sampling = asdict(SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed))
     with _load(args) as engine:
         events = engine.stream(
             args.prompt,

@@ -46,6 +46,8 @@ def load(
     target (and draft) as registry names or .gguf paths; target without draft
     runs the target alone. n_gpu_layers offloads layers on Metal/CUDA builds.
     Raises EdgespecError with a one-sentence reason for bad input."""
+    if gamma is not None and gamma < 1:
+        raise EdgespecError(f"gamma must be >= 1, got {gamma}; use --no-draft to switch speculation off")
     if pair is not None and target is not None:
         raise EdgespecError("give either a pair or a target (and draft), not both")
     if target is None:
@@ -55,8 +57,6 @@ def load(
         entry = registry.pair(pair or registry.default_pair)
         target, draft = entry.target, entry.draft
         gamma = gamma or entry.settings.get("gamma")
-    if gamma is not None and gamma < 1:
-        raise EdgespecError(f"gamma must be >= 1, got {gamma}; use --no-draft to switch speculation off")
 
     paths = [resolve_model(m, offline=offline, progress=progress) for m in (target, draft) if m is not None]
     models: list[Model] = []

