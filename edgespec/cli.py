@@ -112,7 +112,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise EdgespecError(f"repeats must be >= 1, got {args.repeats}")
     with _load(args) as engine:
-        report = run_bench(engine, repeats=args.repeats, max_tokens=args.max_tokens, progress=not args.json)
+        report = run_bench(engine, repeats=args.repeats, max_tokens=args.max_tokens, progress=not args.json,
+                           llama_baseline=args.llama_baseline)  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gamma", type=int, help="draft tokens per round (default: the pair's, else 4)")
     b.add_argument("--repeats", type=int, default=1, help="runs of each prompt and mode (default 1)")
     b.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    b.add_argument("--llama-baseline", action="store_true", help="also time llama-cpp-python's Llama on the target")
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     b.set_defaults(func=cmd_bench)
     return parser
