@@ -18,6 +18,12 @@ from .text import TextStream
 Prompt = str | Sequence[Message]
 
 
+def check_gamma(gamma: int) -> int:
+    if gamma < 1:
+        raise EdgespecError(f"gamma must be >= 1, got {gamma}; use --no-draft to switch speculation off")
+    return gamma
+
+
 @dataclass
 class Stats:
     """Running statistics of one generation (updated in place while it streams)."""
@@ -125,9 +131,7 @@ class Engine:
         plain completion text (special-token markup such as <|im_start|> parsed).
         speculative=False (or no drafter) runs the target alone, the baseline.
         The last event has token None, the remaining text and the final stats."""
-        gamma = self.gamma if gamma is None else gamma
-        if gamma < 1:
-            raise EdgespecError(f"gamma must be >= 1, got {gamma}; use --no-draft to switch speculation off")
+        gamma = check_gamma(self.gamma if gamma is None else gamma)
         if max_tokens < 1:
             raise EdgespecError(f"max-tokens must be >= 1, got {max_tokens}")
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from .drafters import ModelDrafter
-from .engine import Engine
+from .engine import Engine, check_gamma
 from .errors import EdgespecError
 from .model import Model, check_gguf, compatibility_problem
 from .registry import load_registry, pull, verify_cached
@@ -46,8 +46,8 @@ def load(
     target (and draft) as registry names or .gguf paths; target without draft
     runs the target alone. n_gpu_layers offloads layers on Metal/CUDA builds.
     Raises EdgespecError with a one-sentence reason for bad input."""
-    if gamma is not None and gamma < 1:
-        raise EdgespecError(f"gamma must be >= 1, got {gamma}; use --no-draft to switch speculation off")
+    if gamma is not None:
+        check_gamma(gamma)
     if pair is not None and target is not None:
         raise EdgespecError("give either a pair or a target (and draft), not both")
     if target is None:
