@@ -1,7 +1,8 @@
-"""`edgespec bench`: speculative decoding against the target alone, in one process.
+"""`edgespec bench`: each draft mode against the target alone, in one process.
 
-Both modes run greedy on the same engine, alternating, so they share the
-machine's state (thermal, caches, other load); speed is reported as a ratio.
+All modes run greedy on the same engine, alternating, so they share the
+machine's state (heat, caches, other load); speed is reported as a ratio to the
+target-alone ("none") runs of the same prompt.
 """
 
 from __future__ import annotations
@@ -10,86 +11,110 @@ import sys
 from pathlib import Path
 from time import perf_counter
 
+from . import calibration
+from .controller import expected_tokens
 from .engine import Engine
-from .errors import EdgespecError
 from .registry import tomllib
 
 PROMPTS_FILE = Path(__file__).with_name("bench_prompts.toml")
-
-
-def expected_tokens_per_round(alpha: float, gamma: int) -> float:
-    """E[tokens/round] = (1 - α^(γ+1)) / (1 - α) for i.i.d. acceptance rate α."""
-    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+MODES = ("none", "model", "ngram", "hybrid", "auto")
+FIXED_GAMMA = 3  # the "model" mode's draft length unless --gamma says otherwise
 
 
 def load_prompts() -> list[dict]:
     return tomllib.loads(PROMPTS_FILE.read_text())["prompt"]
 
 
-def run_bench(engine: Engine, *, repeats: int = 1, max_tokens: int = 256, progress: bool = True,
-              llama_baseline: bool = False) -> dict:  # fmt: skip
+def run_bench(
+    engine: Engine,
+    *,
+    repeats: int = 1,
+    max_tokens: int = 256,
+    gamma: int | None = None,
+    progress: bool = True,
+    llama_baseline: bool = False,
+) -> dict:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    if engine.drafter is None:
-        raise EdgespecError("bench compares speculation with the target alone: give a pair or a --draft model")
+    modes = [m for m in MODES if engine.drafter is not None or m not in ("model", "hybrid")]
+    if llama_baseline:
+        modes.append("llama")
+    fixed_gamma = gamma or FIXED_GAMMA
+    start = perf_counter()
+    verify_curve = engine.cost_curve(engine.target)  # calibrates now if this machine has no cached curve
+    draft_model = getattr(engine.drafter, "model", None)
+    draft_curve = engine.cost_curve(draft_model, calibration.DRAFT_SIZES) if draft_model else None
+    calibration_s = perf_counter() - start
     engine.generate("Hello", temperature=0, max_tokens=8)  # warm-up: first decodes are slow
     llama = _LlamaBaseline(engine) if llama_baseline else None
-    rows, totals = [], {"none": [0, 0.0], "spec": [0, 0.0], "llama": [0, 0.0]}
+
+    rows = []
     for prompt in load_prompts():
-        runs = {"none": [], "spec": [], "llama": []}
+        runs: dict[str, list] = {m: [] for m in modes}
         for r in range(repeats):
-            order = ["none", "spec"] if r % 2 == 0 else ["spec", "none"]
-            for mode in order + (["llama"] if llama else []):
+            for mode in modes if r % 2 == 0 else modes[::-1]:  # alternate the order between repeats
                 if mode == "llama":
-                    n, seconds = llama.run(engine.prompt_tokens(prompt["text"]), max_tokens)
-                    runs[mode].append((n, seconds, None))
-                else:
-                    stats = engine.generate(prompt["text"], speculative=mode == "spec", temperature=0,
-                                            max_tokens=max_tokens).stats  # fmt: skip
-                    runs[mode].append((stats.n_tokens, stats.decode_s, stats))
-                n, seconds, _ = runs[mode][-1]
-                totals[mode][0] += n
-                totals[mode][1] += seconds
-                log(f"  {prompt['name']:<11} {mode:<5} run {r + 1}: {n} tokens, {n / seconds:6.2f} tok/s")
-        rows.append(_row(prompt["name"], runs, engine.gamma))
-    overall = {mode: n / s for mode, (n, s) in totals.items() if s > 0}
-    report = {
+                    runs[mode].append(llama.run(engine.prompt_tokens(prompt["text"]), max_tokens))
+                    continue
+                stats = engine.generate(
+                    prompt["text"],
+                    temperature=0,
+                    max_tokens=max_tokens,
+                    speculative=mode != "none",
+                    draft_mode=None if mode == "none" else mode,
+                    gamma=fixed_gamma if mode == "model" else "auto",
+                ).stats
+                runs[mode].append(stats)
+                log(f"  {prompt['name']:<10} {mode:<6} run {r + 1}: {stats.n_tokens} tokens, "
+                    f"{stats.tokens_per_s:6.2f} tok/s")  # fmt: skip
+        rows.append(_rows(prompt["name"], runs))
+    return {
         "target": engine.target.path.name,
-        "draft": engine.drafter.model.path.name if hasattr(engine.drafter, "model") else type(engine.drafter).__name__,
-        "gamma": engine.gamma,
+        "draft": draft_model.path.name if draft_model else None,
         "n_threads": engine.target.n_threads,
         "max_tokens": max_tokens,
         "repeats": repeats,
+        "model_gamma": fixed_gamma,
+        "calibration_s": calibration_s,
+        "verify_cost_steps": {k: verify_curve(k) / verify_curve(1) for k in (*range(1, 17), 24, 32, 48, 64)},
+        "draft_step_cost": draft_curve(1) / verify_curve(1) if draft_curve else None,
         "prompts": rows,
-        "overall": {
-            "none_tokens_per_s": overall["none"],
-            "spec_tokens_per_s": overall["spec"],
-            "speedup": overall["spec"] / overall["none"],
-        },
     }
-    if llama:
-        report["overall"]["llama_cpp_python_tokens_per_s"] = overall["llama"]
-        report["overall"]["none_vs_llama_cpp_python"] = overall["none"] / overall["llama"]
-    return report
 
 
-def _row(name: str, runs: dict, gamma: int) -> dict:
-    rate = lambda mode: sum(n for n, _, _ in runs[mode]) / sum(s for _, s, _ in runs[mode])
-    spec = [s for _, _, s in runs["spec"]]
-    drafted, accepted, rounds = (sum(getattr(s, k) for s in spec) for k in ("drafted", "accepted", "rounds"))
-    alpha = accepted / drafted if drafted else 0.0
-    row = {
-        "prompt": name,
-        "none_tokens_per_s": rate("none"),
-        "spec_tokens_per_s": rate("spec"),
-        "speedup": rate("spec") / rate("none"),
-        "acceptance_rate": alpha,
-        "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
-        "expected_tokens_per_round": expected_tokens_per_round(alpha, gamma),
-        "n_tokens": sum(s.n_tokens for s in spec) / len(spec),
-    }
-    if runs["llama"]:
-        row["llama_cpp_python_tokens_per_s"] = rate("llama")
-    return row
+def _rows(name: str, runs: dict) -> dict:
+    """Per mode: tokens/s over all repeats, its ratio to none, and what speculation did."""
+    def rate(samples):  # fmt: skip
+        if samples and isinstance(samples[0], tuple):  # llama baseline: (tokens, seconds)
+            return sum(n for n, _ in samples) / sum(s for _, s in samples)
+        return sum(s.n_tokens for s in samples) / sum(s.decode_s for s in samples)
+
+    none = rate(runs["none"])
+    out = {"prompt": name, "modes": {}}
+    for mode, samples in runs.items():
+        row = {"tokens_per_s": rate(samples), "speedup": rate(samples) / none}
+        if mode not in ("none", "llama"):
+            drafted, accepted, rounds = (sum(getattr(s, k) for s in samples) for k in ("drafted", "accepted", "rounds"))
+            drafting = sum(s.rounds - s.rounds_by_source.get("off", 0) for s in samples)
+            alpha = accepted / drafted if drafted else 0.0
+            mean_gamma = drafted / drafting if drafting else 0.0
+            row |= {
+                "acceptance_rate": alpha,
+                "tokens_per_round": (accepted + rounds) / rounds,
+                "mean_gamma": mean_gamma,  # over rounds that drafted
+                "drafting_rounds": drafting / rounds,
+                "expected_tokens_per_drafting_round": expected_tokens(alpha, round(mean_gamma)) if drafting else 1.0,
+                "rounds_by_source": _sum_dicts(s.rounds_by_source for s in samples),
+            }
+        out["modes"][mode] = row
+    return out
+
+
+def _sum_dicts(dicts) -> dict:
+    total: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 class _LlamaBaseline:
@@ -105,29 +130,32 @@ class _LlamaBaseline:
 
     def run(self, tokens: list[int], max_tokens: int) -> tuple[int, float]:
         """Greedy tokens and seconds from the first to the last token (prefill excluded)."""
-        n, first = 0, None
+        n, first, last = 0, 0.0, 0.0
         for token in self.llm.generate(tokens, temp=0.0, top_k=1, reset=True):
             if self.target.is_eog(token) or n + 1 > max_tokens:
                 break
             n += 1
-            if first is None:
-                first = perf_counter()
             last = perf_counter()
+            first = first or last
         # the first token's time is unknown (it comes with prefill): rate over the other n-1
         return n, (last - first) * n / max(n - 1, 1)
 
 
 def print_report(report: dict) -> None:
-    print(f"target {report['target']}  draft {report['draft']}  gamma {report['gamma']}  "
-          f"threads {report['n_threads']}  {report['max_tokens']} tokens x {report['repeats']} repeats, greedy")  # fmt: skip
-    llama = "llama_cpp_python_tokens_per_s" in report["overall"]
-    head = f"{'prompt':<12}{'none tok/s':>11}{'spec tok/s':>11}{'speedup':>9}{'alpha':>7}{'tok/round':>10}{'E[n]':>7}"
-    print(head + (f"{'llama-cpp-python':>18}" if llama else ""))
-    for r in report["prompts"]:
-        line = (f"{r['prompt']:<12}{r['none_tokens_per_s']:>11.2f}{r['spec_tokens_per_s']:>11.2f}{r['speedup']:>8.2f}x"
-                f"{r['acceptance_rate']:>7.2f}{r['tokens_per_round']:>10.2f}{r['expected_tokens_per_round']:>7.2f}")  # fmt: skip
-        print(line + (f"{r['llama_cpp_python_tokens_per_s']:>18.2f}" if llama else ""))
-    o = report["overall"]
-    print(f"{'overall':<12}{o['none_tokens_per_s']:>11.2f}{o['spec_tokens_per_s']:>11.2f}{o['speedup']:>8.2f}x")
-    if llama:
-        print(f"target-alone vs llama-cpp-python's Llama: {o['none_vs_llama_cpp_python']:.3f}x")
+    print(f"target {report['target']}  draft {report['draft']}  threads {report['n_threads']}  "
+          f"{report['max_tokens']} tokens x {report['repeats']} repeats, greedy; model mode gamma "
+          f"{report['model_gamma']}, other modes gamma auto")  # fmt: skip
+    curve = report["verify_cost_steps"]
+    print(f"calibration ({report['calibration_s']:.1f}s): V(k) in target steps: "
+          + " ".join(f"{k}:{v:.2f}" for k, v in curve.items()))  # fmt: skip
+    if report["draft_step_cost"] is not None:
+        print(f"draft step: {report['draft_step_cost']:.2f} target steps")
+    print(f"{'prompt':<11}{'mode':<7}{'tok/s':>8}{'vs none':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
+          f"{'E[n]':>7}  rounds")  # fmt: skip
+    for row in report["prompts"]:
+        for mode, m in row["modes"].items():
+            line = f"{row['prompt']:<11}{mode:<7}{m['tokens_per_s']:>8.2f}{m['speedup']:>8.2f}x"
+            if "acceptance_rate" in m:
+                line += (f"{m['acceptance_rate']:>7.2f}{m['tokens_per_round']:>10.2f}{m['mean_gamma']:>8.1f}"
+                         f"{m['expected_tokens_per_drafting_round']:>7.2f}  {m['rounds_by_source']}")  # fmt: skip
+            print(line)

@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from .controller import MODES
 from .errors import EdgespecError
 from .sampling import SamplingParams
 
@@ -22,6 +23,19 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     g.add_argument("--gpu-layers", type=int, default=0, help="layers to offload on Metal/CUDA builds")
     g.add_argument("--offline", action="store_true", help="never contact Hugging Face")
+    g.add_argument("--gamma", type=_gamma, default=None,
+                   help="draft tokens per round, or auto (default: the pair's, else auto)")  # fmt: skip
+    g.add_argument("--draft-mode", choices=MODES, default="auto",
+                   help="auto (choose per round, default), model, ngram, hybrid or off")  # fmt: skip
+
+
+def _gamma(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
 def _load(args: argparse.Namespace):
@@ -32,6 +46,7 @@ def _load(args: argparse.Namespace):
         target=args.target,
         draft=args.draft,
         gamma=args.gamma,
+        draft_mode=args.draft_mode,
         n_ctx=args.ctx,
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
@@ -112,8 +127,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise EdgespecError(f"repeats must be >= 1, got {args.repeats}")
     with _load(args) as engine:
-        report = run_bench(engine, repeats=args.repeats, max_tokens=args.max_tokens, progress=not args.json,
-                           llama_baseline=args.llama_baseline)  # fmt: skip
+        report = run_bench(
+            engine,
+            repeats=args.repeats,
+            max_tokens=args.max_tokens,
+            gamma=args.gamma if isinstance(args.gamma, int) else None,
+            progress=not args.json,
+            llama_baseline=args.llama_baseline,
+        )
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -129,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="one user message (sent through the model's chat template unless --raw)")
     _model_options(g)
     g.add_argument("--no-draft", action="store_true", help="run the target alone (the baseline)")
-    g.add_argument("--gamma", type=int, help="draft tokens per round (default: the pair's, else 4)")
     g.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], help="0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="0 = off (default 40)")
     g.add_argument("--top-p", type=float, default=DEFAULTS["top_p"], help="1 = off (default 0.95)")
@@ -149,9 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list models and pairs, and what is downloaded")
     m.set_defaults(func=cmd_models)
 
-    b = sub.add_parser("bench", help="speculative vs target-alone speed on a small prompt set")
+    b = sub.add_parser("bench", help="each draft mode vs the target alone on a small prompt set")
     _model_options(b)
-    b.add_argument("--gamma", type=int, help="draft tokens per round (default: the pair's, else 4)")
     b.add_argument("--repeats", type=int, default=1, help="runs of each prompt and mode (default 1)")
     b.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
     b.add_argument("--llama-baseline", action="store_true", help="also time llama-cpp-python's Llama on the target")

@@ -8,8 +8,10 @@ from time import perf_counter
 
 import numpy as np
 
+from . import calibration
 from .chat import Message, render
-from .drafters import Draft, Drafter
+from .controller import Controller, check_mode
+from .drafters import Drafter, NgramDrafter
 from .errors import EdgespecError
 from .model import ContextFull, Model
 from .sampling import SamplingParams, distribution, verify, verify_greedy
@@ -29,7 +31,8 @@ class Stats:
     """Running statistics of one generation (updated in place while it streams)."""
 
     mode: str  # "speculative" or "target-only"
-    gamma: int  # draft length per round (0 without a drafter)
+    gamma: int | str  # the requested draft length, or "auto"
+    draft_mode: str = "off"  # requested: auto, model, ngram, hybrid or off
     n_prompt: int = 0  # prompt tokens
     n_prompt_cached: int = 0  # of those, reused from the KV cache of the previous request
     rounds: int = 0  # target forward passes after prefill
@@ -41,6 +44,14 @@ class Stats:
     draft_s: float = 0.0  # of decode_s: making drafts
     verify_s: float = 0.0  # of decode_s: the target's batched forward + accept/resample
     finish_reason: str | None = None  # stop | stop_string | length | context
+    # what the controller chose: rounds per source ("model", "ngram", "off"), its α per drafter,
+    # its last choice, and the speedup over the target alone that its cost model predicted
+    rounds_by_source: dict[str, int] = field(default_factory=dict)
+    alpha_by_source: dict[str, float] = field(default_factory=dict)
+    last_source: str = "off"
+    last_gamma: int = 0
+    predicted_speedup: float = 1.0
+    baseline_tokens_per_s: float = 0.0  # 1 / V(1) from calibration (0 if not calibrated)
 
     @property
     def acceptance_rate(self) -> float:
@@ -55,11 +66,16 @@ class Stats:
         return self.n_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
+    def measured_speedup(self) -> float:
+        """tokens/s against the calibrated target-alone rate (0 if not calibrated)."""
+        return self.tokens_per_s / self.baseline_tokens_per_s if self.baseline_tokens_per_s else 0.0
+
+    @property
     def other_s(self) -> float:
         return max(self.decode_s - self.draft_s - self.verify_s, 0.0)
 
     def as_dict(self) -> dict:
-        derived = ("acceptance_rate", "tokens_per_round", "tokens_per_s", "other_s")
+        derived = ("acceptance_rate", "tokens_per_round", "tokens_per_s", "other_s", "measured_speedup")
         return asdict(self) | {name: getattr(self, name) for name in derived}
 
     def summary(self) -> str:
@@ -67,8 +83,14 @@ class Stats:
         if self.mode == "speculative":
             line += (
                 f", acceptance {self.acceptance_rate:.0%}, {self.tokens_per_round:.2f} tokens/round"
-                f" (gamma {self.gamma})"
+                f" (mode {self.draft_mode}, gamma {self.gamma})"
             )
+            if self.baseline_tokens_per_s:
+                chosen = ", ".join(f"{k} {v}" for k, v in sorted(self.rounds_by_source.items()))
+                line += (
+                    f", rounds: {chosen}; speedup predicted {self.predicted_speedup:.2f}x,"
+                    f" measured {self.measured_speedup:.2f}x"
+                )
         split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s, other {self.other_s:.2f}s"
         return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"
 
@@ -102,11 +124,32 @@ class Engine:
     """A target model, optionally with a drafter. Use as a context manager, or
     call close(), to free llama.cpp's memory."""
 
-    def __init__(self, target: Model, drafter: Drafter | None = None, *, gamma: int = 4, owned=()) -> None:
+    def __init__(
+        self,
+        target: Model,
+        drafter: Drafter | None = None,
+        *,
+        gamma: int | None = None,
+        draft_mode: str = "auto",
+        owned=(),
+    ) -> None:
+        """target: the model whose output distribution is produced. drafter: the draft
+        model's drafter (or any object with prefill/draft); an n-gram drafter is always
+        there. gamma None and draft_mode "auto" let the controller choose per round."""
+        check_mode(draft_mode, has_model=drafter is not None)
         self.target = target
         self.drafter = drafter
+        self.ngram = NgramDrafter()
         self.gamma = gamma
+        self.draft_mode = draft_mode
         self._owned = list(owned) or [target]
+        self._costs: dict[tuple, calibration.CostCurve] = {}
+
+    def cost_curve(self, model: Model, sizes=calibration.TARGET_SIZES) -> calibration.CostCurve:
+        """V(k) of `model` on this machine: cached, else measured now (once)."""
+        if (model, sizes) not in self._costs:
+            self._costs[model, sizes] = calibration.load_or_measure(model, sizes)
+        return self._costs[model, sizes]
 
     # --- public API -------------------------------------------------------
     def stream(
@@ -114,7 +157,8 @@ class Engine:
         prompt: Prompt,
         *,
         max_tokens: int = 512,
-        gamma: int | None = None,
+        gamma: int | str | None = None,
+        draft_mode: str | None = None,
         speculative: bool = True,
         stop: Sequence[str] = (),
         raw: bool = False,
@@ -129,9 +173,13 @@ class Engine:
         prompt: a user message (str) or a list of {"role", "content"} messages,
         rendered with the model's chat template; with raw=True a str is sent as
         plain completion text (special-token markup such as <|im_start|> parsed).
-        speculative=False (or no drafter) runs the target alone, the baseline.
-        The last event has token None, the remaining text and the final stats."""
-        gamma = check_gamma(self.gamma if gamma is None else gamma)
+        gamma: draft tokens per round, or "auto"; draft_mode: auto, model, ngram,
+        hybrid or off (defaults: the engine's). speculative=False runs the target
+        alone, the baseline. The last event has token None, the remaining text
+        and the final stats."""
+        gamma = self.gamma if gamma is None else gamma
+        gamma = None if gamma in (None, "auto") else check_gamma(gamma)
+        mode = "off" if not speculative else (draft_mode or self.draft_mode)
         if max_tokens < 1:
             raise EdgespecError(f"max-tokens must be >= 1, got {max_tokens}")
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
@@ -141,8 +189,8 @@ class Engine:
                 f"the prompt is {len(tokens)} tokens but the context holds {self.target.n_ctx}; "
                 "shorten the prompt or raise --ctx"
             )
-        drafter = self.drafter if speculative else None
-        return self._generate(tokens, drafter, gamma if drafter else 0, params, max_tokens, stop)
+        controller = self._controller(mode, gamma)
+        return self._generate(tokens, controller, params, max_tokens, stop)
 
     def generate(self, prompt: Prompt, **kwargs) -> Generation:
         """Like stream(), but return the whole answer."""
@@ -178,7 +226,23 @@ class Engine:
             tokens = tokens[1:]
         return tokens
 
+    def _controller(self, mode: str, gamma: int | None) -> Controller:
+        adaptive = mode != "off" and (mode == "auto" or gamma is None)
+        draft_model = getattr(self.drafter, "model", None)
+        return Controller(
+            mode,
+            gamma,
+            self.cost_curve(self.target) if adaptive else None,
+            self.cost_curve(draft_model, calibration.DRAFT_SIZES) if adaptive and draft_model else None,
+            self.drafter,
+            self.ngram,
+        )
+
     def close(self) -> None:
+        """Keep what real rounds taught about costs, then free llama.cpp's memory."""
+        for (model, sizes), curve in self._costs.items():
+            calibration.save(model, sizes, curve)
+        self._costs.clear()
         for model in self._owned:
             model.close()
 
@@ -189,17 +253,23 @@ class Engine:
         self.close()
 
     # --- generation -------------------------------------------------------
-    def _generate(self, prompt, drafter, gamma, params, max_tokens, stop) -> Iterator[Event]:
+    def _generate(self, prompt, controller: Controller, params, max_tokens, stop) -> Iterator[Event]:
         target = self.target
-        stats = Stats(mode="speculative" if drafter else "target-only", gamma=gamma, n_prompt=len(prompt))
+        stats = Stats(
+            mode="target-only" if controller.mode == "off" else "speculative",
+            gamma="auto" if controller.gamma is None else controller.gamma,
+            draft_mode=controller.mode,
+            n_prompt=len(prompt),
+        )
+        if controller.V is not None:
+            stats.baseline_tokens_per_s = controller.off_rate()
         rng = np.random.default_rng(params.seed)
 
         start = perf_counter()
         # the target's cache holds everything but the last token, which opens the first verify batch
         stats.n_prompt_cached = target.sync(prompt)
         target.eval(prompt[stats.n_prompt_cached : -1])
-        if drafter:
-            drafter.prefill(prompt)
+        controller.prefill(prompt)
         stats.prefill_s = perf_counter() - start
 
         start = perf_counter()
@@ -207,7 +277,8 @@ class Engine:
         n_out = 0
         seq = list(prompt)
         try:
-            for new_tokens in speculative_decode(target, drafter, seq, gamma, params, rng, stats, len(prompt) + max_tokens):
+            limit = len(prompt) + max_tokens
+            for new_tokens in speculative_decode(target, controller, seq, params, rng, stats, limit):
                 for token, from_draft in new_tokens:
                     if target.is_eog(token):
                         stats.finish_reason = "stop"
@@ -230,9 +301,8 @@ class Engine:
 
 def speculative_decode(
     target: Model,
-    drafter: Drafter | None,
+    controller: Controller,
     seq: list[int],
-    gamma: int,
     params: SamplingParams,
     rng: np.random.Generator,
     stats: Stats,
@@ -243,9 +313,9 @@ def speculative_decode(
     (token, came from the draft); 1..γ+1 of them per round. Raises ContextFull."""
     while True:
         t0 = perf_counter()
-        # drafts beyond the context or the token budget would be wasted
-        n_draft = min(gamma, target.n_ctx - len(seq), limit - len(seq) - 1)
-        draft = drafter.draft(seq, n_draft, params, rng) if drafter and n_draft > 0 else Draft([])
+        # the controller picks a drafter and γ (or none); drafts past the context or the budget are wasted
+        room = min(target.n_ctx - len(seq), limit - len(seq) - 1)
+        draft = controller.propose(seq, room, params, rng)
         t1 = perf_counter()
 
         # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i)
@@ -259,9 +329,13 @@ def speculative_decode(
         # drop the rejected drafts from the target's cache (the drafter trims its own)
         target.truncate(len(seq) + n)
         seq += draft.tokens[:n] + [next_token]
+        t2 = perf_counter()
+        controller.observe(draft, n, t1 - t0, t2 - t1)
+
         stats.rounds += 1
         stats.drafted += len(draft.tokens)
         stats.accepted += n
         stats.draft_s += t1 - t0
-        stats.verify_s += perf_counter() - t1
+        stats.verify_s += t2 - t1
+        controller.report(stats, draft)
         yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]

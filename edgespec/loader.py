@@ -6,13 +6,11 @@ import os
 from pathlib import Path
 
 from .drafters import ModelDrafter
+from .controller import check_mode
 from .engine import Engine, check_gamma
 from .errors import EdgespecError
 from .model import Model, check_gguf, compatibility_problem
 from .registry import load_registry, pull, verify_cached
-
-DEFAULT_GAMMA = 4
-
 
 def resolve_model(name_or_path: str | os.PathLike, *, offline: bool = False, progress: bool = True) -> Path:
     """A registry name is fetched on first use and verified by sha256; anything
@@ -33,7 +31,8 @@ def load(
     *,
     target: str | os.PathLike | None = None,
     draft: str | os.PathLike | None = None,
-    gamma: int | None = None,
+    gamma: int | str | None = None,
+    draft_mode: str = "auto",
     n_ctx: int = 4096,
     n_threads: int | None = None,
     n_gpu_layers: int = 0,
@@ -43,10 +42,13 @@ def load(
     """Load a target model and (optionally) a draft model into an Engine.
 
     pair: a pair name from models.toml (default: its default_pair) — or give
-    target (and draft) as registry names or .gguf paths; target without draft
-    runs the target alone. n_gpu_layers offloads layers on Metal/CUDA builds.
+    target (and draft) as registry names or .gguf paths; without a draft model
+    only the free n-gram drafter is there. gamma (an int, or "auto") and
+    draft_mode (auto, model, ngram, hybrid, off) are the engine's defaults;
+    auto measures this machine's costs at first use and chooses per round.
+    n_gpu_layers offloads layers on Metal/CUDA builds.
     Raises EdgespecError with a one-sentence reason for bad input."""
-    if gamma is not None:
+    if gamma is not None and gamma != "auto":
         check_gamma(gamma)
     if pair is not None and target is not None:
         raise EdgespecError("give either a pair or a target (and draft), not both")
@@ -57,6 +59,7 @@ def load(
         entry = registry.pair(pair or registry.default_pair)
         target, draft = entry.target, entry.draft
         gamma = gamma or entry.settings.get("gamma")
+    check_mode(draft_mode, has_model=draft is not None)
 
     paths = [resolve_model(m, offline=offline, progress=progress) for m in (target, draft) if m is not None]
     models: list[Model] = []
@@ -72,4 +75,5 @@ def load(
         for model in models:
             model.close()
         raise
-    return Engine(models[0], drafter, gamma=gamma or DEFAULT_GAMMA, owned=models)
+    gamma = None if gamma in (None, "auto") else gamma
+    return Engine(models[0], drafter, gamma=gamma, draft_mode=draft_mode, owned=models)

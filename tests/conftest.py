@@ -41,7 +41,7 @@ def smollm2(smollm2_path):
 def self_engine(smollm2, smollm2_path):
     """SmolLM2 drafting for itself (p == q up to batch-size float noise)."""
     draft = Model(smollm2_path, n_ctx=1024)
-    yield Engine(smollm2, ModelDrafter(draft, smollm2.n_vocab), gamma=4)
+    yield Engine(smollm2, ModelDrafter(draft, smollm2.n_vocab), gamma=4, draft_mode="model")
     draft.close()
 
 
@@ -49,7 +49,7 @@ def self_engine(smollm2, smollm2_path):
 def requant_engine(smollm2, requantized_path):
     """SmolLM2 drafted by its Q4_0 re-quantization (p != q)."""
     draft = Model(requantized_path, n_ctx=1024)
-    yield Engine(smollm2, ModelDrafter(draft, smollm2.n_vocab), gamma=4)
+    yield Engine(smollm2, ModelDrafter(draft, smollm2.n_vocab), gamma=4, draft_mode="model")
     draft.close()
 
 

@@ -27,7 +27,7 @@ class RandomDrafter:
     def prefill(self, context):
         pass
 
-    def draft(self, context, n, params, rng):
+    def draft(self, context, n, params, rng, stop_below=()):
         return Draft(self.rng.integers(0, self.n_vocab, n).tolist())
 
 
@@ -46,7 +46,7 @@ def test_greedy_speculative_equals_no_draft(request, engine_name, prompt):
 
 
 def test_bad_drafter_still_gives_target_output(smollm2):
-    engine = Engine(smollm2, RandomDrafter(smollm2.n_vocab), gamma=4)
+    engine = Engine(smollm2, RandomDrafter(smollm2.n_vocab), gamma=4, draft_mode="model")
     prompt = PROMPTS[0]
     baseline = engine.generate(prompt, speculative=False, **GREEDY)
     spec = engine.generate(prompt, **GREEDY)
@@ -55,7 +55,7 @@ def test_bad_drafter_still_gives_target_output(smollm2):
 
 
 def test_bad_drafter_sampled_mode_is_reproducible(smollm2):
-    run = lambda: Engine(smollm2, RandomDrafter(smollm2.n_vocab)).generate(PROMPTS[1], max_tokens=24, seed=7)
+    run = lambda: Engine(smollm2, RandomDrafter(smollm2.n_vocab), gamma=4, draft_mode="model").generate(PROMPTS[1], max_tokens=24, seed=7)
     first, second = run(), run()
     assert first.tokens == second.tokens and first.stats.n_tokens == 24
 
@@ -151,7 +151,7 @@ def test_context_full_and_prompt_too_long(smollm2_path):
     target, draft = Model(smollm2_path, n_ctx=64), Model(smollm2_path, n_ctx=64)
     from edgespec import ModelDrafter
 
-    with Engine(target, ModelDrafter(draft, target.n_vocab), owned=[target, draft]) as engine:
+    with Engine(target, ModelDrafter(draft, target.n_vocab), gamma=4, draft_mode="model", owned=[target, draft]) as engine:
         out = engine.generate("Tell me a long story about a dragon.", temperature=0, max_tokens=500)
         assert out.finish_reason == "context"
         assert out.stats.n_prompt + out.stats.n_tokens >= target.n_ctx - 4
