@@ -6,8 +6,10 @@ expected tokens per second, or no draft at all.
 
 V(k) is the measured cost of one target pass over k tokens (calibration.py), the
 draft cost is γ draft-model steps (an n-gram lookup costs nothing) and α is each
-drafter's acceptance rate, learnt online in this request. Old evidence decays
-toward a prior, so a drafter switched off for losing is tried again later.
+drafter's acceptance rate, learnt online in this request: each plan uses a draw
+from α's posterior (Thompson sampling), so a drafter with little evidence gets
+tried and one that keeps losing is left off. Old evidence decays toward the
+prior, so a drafter switched off for losing is tried again later.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ class Acceptance:
     def alpha(self) -> float:
         return (self.accepted + PRIOR_WEIGHT * self.prior) / (self.accepted + self.rejected + PRIOR_WEIGHT)
 
+    def sample(self, rng: np.random.Generator) -> float:
+        """A draw from the Beta posterior of α (Thompson sampling): little evidence
+        means wide draws, so an untried drafter is tried now and then, and one that
+        keeps failing almost never."""
+        return rng.beta(self.accepted + PRIOR_WEIGHT * self.prior, self.rejected + PRIOR_WEIGHT * (1 - self.prior))
+
     def observe(self, n_accepted: int, n_drafted: int) -> None:
         self.accepted += n_accepted
         self.rejected += n_accepted < n_drafted
@@ -74,11 +82,16 @@ class Acceptance:
 
 @dataclass
 class Plan:
-    rate: float  # expected tokens per second
+    rate: float  # tokens per second it promises under this round's draw of α (what plans compete on)
     source: str  # "off", "model" or "ngram"
     gamma: int
     draft: Draft | None = None  # an n-gram draft is made while planning (it is free)
     key: str = ""  # whose acceptance rate: "model", or "ngram<match length>"
+    expected_rate: float | None = None  # under the posterior mean of α (default: rate)
+
+    def __post_init__(self) -> None:
+        if self.expected_rate is None:
+            self.expected_rate = self.rate
 
 
 class Controller:
@@ -106,6 +119,7 @@ class Controller:
         self.acceptance: dict[str, Acceptance] = {}  # per "model" / "ngram<match length>"
         self.last: Plan = Plan(0.0, "off", 0)
         self._predicted = [0.0, 0.0]  # expected tokens and seconds of the plans chosen so far
+        self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
 
     def prefill(self, context: list[int]) -> None:
         if self.mode in ("auto", "ngram", "hybrid"):
@@ -134,9 +148,12 @@ class Controller:
         return self.model_cost(gamma) if source == "model" else self.V(gamma + 1)
 
     def _best(self, source: str, key: str, gammas) -> Plan:
-        alpha = self._acceptance(key).alpha
-        rate, gamma = max((expected_tokens(alpha, g) / self.cost(source, g), g) for g in gammas)
-        return Plan(rate, source, gamma, key=key)
+        """γ chosen under a posterior draw of α; the plan's rate is the expected one."""
+        acceptance = self._acceptance(key)
+        draw = acceptance.sample(self._rng)
+        rate, gamma = max((expected_tokens(draw, g) / self.cost(source, g), g) for g in gammas)
+        expected = expected_tokens(acceptance.alpha, gamma) / self.cost(source, gamma)
+        return Plan(rate, source, gamma, key=key, expected_rate=expected)
 
     def plan(self, context: list[int], room: int) -> Plan:
         """The round's plan; an n-gram plan carries its draft already."""
@@ -188,7 +205,7 @@ class Controller:
                 self.draft_step.observe(1, draft_s / len(draft.tokens))
             if self.last.rate > 0:
                 seconds = self.cost(self.last.source, self.last.gamma)
-                self._predicted[0] += self.last.rate * seconds
+                self._predicted[0] += self.last.expected_rate * seconds
                 self._predicted[1] += seconds
 
     def report(self, stats, draft: Draft) -> None:

@@ -131,18 +131,19 @@ class Engine:
         *,
         gamma: int | None = None,
         draft_mode: str = "auto",
-        owned=(),
+        owned: Sequence[Model] | None = None,
     ) -> None:
         """target: the model whose output distribution is produced. drafter: the draft
         model's drafter (or any object with prefill/draft); an n-gram drafter is always
-        there. gamma None and draft_mode "auto" let the controller choose per round."""
+        there. gamma None and draft_mode "auto" let the controller choose per round.
+        owned: the models close() frees (default: the target)."""
         check_mode(draft_mode, has_model=drafter is not None)
         self.target = target
         self.drafter = drafter
         self.ngram = NgramDrafter()
         self.gamma = gamma
         self.draft_mode = draft_mode
-        self._owned = list(owned) or [target]
+        self._owned = [target] if owned is None else list(owned)
         self._costs: dict[tuple, calibration.CostCurve] = {}
 
     def cost_curve(self, model: Model, sizes=calibration.TARGET_SIZES) -> calibration.CostCurve:

@@ -45,26 +45,27 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
     Filters run in llama.cpp's default chain order: top-k, top-p, min-p on the
     untempered logits, then temperature on the survivors."""
-    logits = np.asarray(logits, dtype=np.float64)
+    logits = np.asarray(logits)
     if params.greedy:
         p = np.zeros(logits.shape[0])
         p[int(np.argmax(logits))] = 1.0
         return p
     n = logits.shape[0]
     k = params.top_k if 0 < params.top_k < n else n
-    # candidate ids sorted by logit, descending; argpartition keeps this O(V) for small k
+    # candidate ids; argpartition keeps this O(V) for small k, and only top-p needs them sorted
     ids = np.argpartition(-logits, k - 1)[:k] if k < n else np.arange(n)
-    ids = ids[np.argsort(-logits[ids], kind="stable")]
-    z = logits[ids]
-    w = np.exp(z - z[0])
+    z = logits[ids].astype(np.float64)
     if params.top_p < 1:
+        order = np.argsort(-z, kind="stable")
+        ids, z = ids[order], z[order]
+        w = np.exp(z - z[0])
         # keep the smallest prefix whose mass reaches top_p (at least one token)
         keep = int(np.searchsorted(np.cumsum(w) / w.sum(), params.top_p)) + 1
-        ids, z, w = ids[:keep], z[:keep], w[:keep]
+        ids, z = ids[:keep], z[:keep]
     if params.min_p > 0:
-        keep = w >= params.min_p  # w is already relative to the top token's probability
+        keep = np.exp(z - z.max()) >= params.min_p  # probability relative to the top token's
         ids, z = ids[keep], z[keep]
-    w = np.exp((z - z[0]) / params.temperature)
+    w = np.exp((z - z.max()) / params.temperature)
     p = np.zeros(n)
     p[ids] = w / w.sum()
     return p
