@@ -10,7 +10,7 @@
 from .drafters import Draft, Drafter, ModelDrafter
 from .engine import Engine, Event, Generation, Stats
 from .errors import EdgespecError
-from .loader import load
+from .loader import PairInfo, load, pairs, pull_models
 from .model import Model
 from .sampling import SamplingParams
 
@@ -23,7 +23,10 @@ __all__ = [
     "Generation",
     "Model",
     "ModelDrafter",
+    "PairInfo",
     "SamplingParams",
     "Stats",
     "load",
+    "pairs",
+    "pull_models",
 ]

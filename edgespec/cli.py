@@ -78,7 +78,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stats = event.stats
     if args.json:
         keys = ("mode", "gamma", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round",
-                "n_tokens", "tokens_per_s", "prefill_s", "decode_s", "n_prompt", "finish_reason")  # fmt: skip
+                "n_tokens", "tokens_per_s", "prefill_s", "decode_s", "n_prompt", "finish_reason", "draft_mode",
+                "rounds_by_source", "alpha_by_source", "predicted_speedup", "measured_speedup")  # fmt: skip
         all_stats = stats.as_dict()
         print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": {k: all_stats[k] for k in keys}}))
     else:
@@ -90,19 +91,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from .registry import load_registry, pull
+    from .loader import pull_models
+    from .registry import load_registry
 
-    registry = load_registry()
-    names = args.names or [registry.default_pair]
-    for name in names:
-        if name in registry.pairs:
-            pair = registry.pair(name)
-            models = [pair.target, pair.draft]
-        else:
-            models = [registry.model(name).name]
-        for model in dict.fromkeys(models):
-            path = pull(registry.model(model), offline=args.offline)
-            print(f"{model}: {path}")
+    for model, path in pull_models(args.names or [load_registry().default_pair], offline=args.offline).items():
+        print(f"{model}: {path}")
     return 0
 
 
@@ -118,6 +111,16 @@ def cmd_models(args: argparse.Namespace) -> int:
     for pair in registry.pairs.values():
         mark = " (default)" if pair.name == registry.default_pair else ""
         print(f"  {pair.name:<22} {pair.target} <- {pair.draft}{mark}  {pair.description}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tui.app import run
+
+    run(pair=args.pair, target=args.target, draft=args.draft, draft_mode=args.draft_mode, gamma=args.gamma,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature, n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=args.gpu_layers,
+        offline=args.offline)  # fmt: skip
     return 0
 
 
@@ -168,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list models and pairs, and what is downloaded")
     m.set_defaults(func=cmd_models)
+
+    c = sub.add_parser("chat", help="full-screen chat that shows speculation live")
+    _model_options(c)
+    c.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], help="0 = greedy (default 0.8)")
+    c.add_argument("--max-tokens", type=int, default=1024, help="tokens per answer at most (default 1024)")
+    c.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="each draft mode vs the target alone on a small prompt set")
     _model_options(b)

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import calibration
 from .chat import Message, render
-from .controller import Controller, check_mode
+from .controller import Controller, check_mode, expected_tokens
 from .drafters import Drafter, NgramDrafter
 from .errors import EdgespecError
 from .model import ContextFull, Model
@@ -64,6 +64,17 @@ class Stats:
     @property
     def tokens_per_s(self) -> float:
         return self.n_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        """Draft length over the rounds that drafted."""
+        drafting = self.rounds - self.rounds_by_source.get("off", 0)
+        return self.drafted / drafting if drafting else 0.0
+
+    @property
+    def expected_tokens_per_round(self) -> float:
+        """E[n] that the measured α predicts for the mean draft length."""
+        return expected_tokens(self.acceptance_rate, round(self.mean_gamma)) if self.mean_gamma else 1.0
 
     @property
     def measured_speedup(self) -> float:

@@ -5,12 +5,48 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .drafters import ModelDrafter
+from dataclasses import dataclass
+
 from .controller import check_mode
+from .drafters import ModelDrafter
 from .engine import Engine, check_gamma
 from .errors import EdgespecError
 from .model import Model, check_gguf, compatibility_problem
-from .registry import load_registry, pull, verify_cached
+from .registry import cached_path, load_registry, pull, verify_cached
+
+
+@dataclass(frozen=True)
+class PairInfo:
+    name: str
+    target: str
+    draft: str
+    description: str
+    downloaded: bool  # both models are in the cache
+    default: bool
+
+
+def pairs() -> list[PairInfo]:
+    """The target/draft pairs of models.toml (built-in and the user's)."""
+    registry = load_registry()
+    return [
+        PairInfo(p.name, p.target, p.draft, p.description,
+                 all(cached_path(registry.model(m)).is_file() for m in (p.target, p.draft)),
+                 p.name == registry.default_pair)  # fmt: skip
+        for p in registry.pairs.values()
+    ]
+
+
+def pull_models(names: list[str], *, offline: bool = False, progress: bool = True) -> dict[str, Path]:
+    """Fetch and verify models, or both models of pairs, by name; return their paths."""
+    registry = load_registry()
+    models: list[str] = []
+    for name in names:
+        if name in registry.pairs:
+            models += [registry.pair(name).target, registry.pair(name).draft]
+        else:
+            models.append(registry.model(name).name)
+    return {m: pull(registry.model(m), offline=offline, progress=progress) for m in dict.fromkeys(models)}
+
 
 def resolve_model(name_or_path: str | os.PathLike, *, offline: bool = False, progress: bool = True) -> Path:
     """A registry name is fetched on first use and verified by sha256; anything

@@ -1,0 +1,234 @@
+"""The chat app: conversation on the left, live speculation stats on the right.
+
+Loading models and generating run in worker threads; the UI thread only draws.
+"""
+
+from __future__ import annotations
+
+import threading
+from time import monotonic
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.reactive import reactive
+from textual.widgets import Footer, Header, Input
+
+import edgespec
+
+from .widgets import AssistantMessage, PairPicker, StatsPanel, UserMessage
+
+DRAFT_MODES = ("auto", "model", "ngram", "hybrid")
+GAMMAS = ("auto", 1, 2, 3, 4, 6, 8, 16)
+REFRESH_S = 0.25  # redraw at most this often: drawing shares the CPU with llama.cpp
+
+
+class ChatApp(App):
+    """edgespec chat."""
+
+    TITLE = "edgespec chat"
+    CSS_PATH = "chat.tcss"
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("ctrl+t", "toggle_speculation", "Speculation on/off", priority=True),
+        Binding("ctrl+o", "toggle_colour", "Colours", priority=True),
+        Binding("ctrl+d", "cycle_mode", "Draft mode", priority=True),
+        Binding("ctrl+g", "cycle_gamma", "γ", priority=True),
+        Binding("ctrl+n", "new_conversation", "New chat", priority=True),
+        Binding("ctrl+p", "pick_pair", "Pair", priority=True),
+        Binding("ctrl+y", "copy_answer", "Copy answer", priority=True),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    speculation = reactive(True)
+    colour = reactive(False)  # off: answers render as Markdown
+    draft_mode = reactive("auto")
+    gamma = reactive("auto")
+    generating = reactive(False)
+
+    def __init__(self, pair: str | None = None, *, target=None, draft=None, draft_mode: str = "auto",
+                 gamma: int | str | None = "auto", max_tokens: int = 1024, temperature: float = 0.8,
+                 **load_options) -> None:  # fmt: skip
+        super().__init__()
+        self.set_reactive(ChatApp.draft_mode, draft_mode)
+        self.set_reactive(ChatApp.gamma, gamma or "auto")
+        self.engine: edgespec.Engine | None = None
+        self.messages: list[dict[str, str]] = []
+        self.answer: AssistantMessage | None = None
+        self.max_tokens, self.temperature = max_tokens, temperature
+        self._source = dict(pair=pair, target=target, draft=draft)
+        self._load_options = load_options
+        self.last_stats: edgespec.Stats | None = None
+        self._stop = threading.Event()
+        self._engine_lock = threading.Lock()  # held while a worker generates; closing an engine waits for it
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            yield VerticalScroll(id="conversation")
+            yield StatsPanel(id="stats")
+        yield Input(placeholder="Message (Enter to send)", id="prompt")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.load_engine(**self._source)
+        self.query_one(Input).focus()
+
+    # --- models -------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="engine")
+    def load_engine(self, pair=None, target=None, draft=None) -> None:
+        self.call_from_thread(self._set_busy, True)
+        try:
+            if pair and not any(p.name == pair and p.downloaded for p in edgespec.pairs()):
+                self.call_from_thread(self.notify, f"Downloading and verifying '{pair}'…", timeout=30)
+                edgespec.pull_models([pair], progress=False)
+            engine = edgespec.load(pair, target=target, draft=draft, progress=False, **self._load_options)
+        except edgespec.EdgespecError as e:
+            self.call_from_thread(self.notify, str(e), title="Could not load models", severity="error", timeout=15)
+        else:
+            self.call_from_thread(self._engine_ready, engine)
+        finally:
+            self.call_from_thread(self._set_busy, False)
+
+    def _engine_ready(self, engine: edgespec.Engine) -> None:
+        self._close_engine()
+        self.engine = engine
+        self.sub_title = engine.target.path.name + (
+            f" ← {engine.drafter.model.path.name}" if engine.drafter is not None else " (n-gram drafts only)"
+        )
+        self.notify(f"Loaded {self.sub_title}")
+
+    def _set_busy(self, busy: bool) -> None:
+        self.query_one(StatsPanel).set_class(busy, "busy")
+
+    def action_pick_pair(self) -> None:
+        def chosen(name: str | None) -> None:
+            if name:
+                self.action_stop()
+                self.load_engine(pair=name)
+
+        self.push_screen(PairPicker(), chosen)
+
+    # --- conversation -------------------------------------------------------
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text:
+            return
+        if self.engine is None:
+            self.notify("No model is loaded yet; wait, or pick a pair with ctrl+p.", severity="warning")
+            return
+        if self.generating:
+            self.notify("Still answering; press Esc to stop first.", severity="warning")
+            return
+        event.input.value = ""
+        self.messages.append({"role": "user", "content": text})
+        conversation = self.query_one("#conversation", VerticalScroll)
+        self.answer = AssistantMessage(self.colour)
+        conversation.mount(UserMessage(text), self.answer)
+        conversation.scroll_end(animate=False)
+        self.query_one(StatsPanel).reset()
+        self.generate(self.answer)
+
+    @work(thread=True, exclusive=True, group="generate")
+    def generate(self, answer: AssistantMessage) -> None:
+        self._stop.clear()
+        self.call_from_thread(setattr, self, "generating", True)
+        settings = dict(
+            speculative=self.speculation,
+            draft_mode=self.draft_mode,
+            gamma=self.gamma,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+        )
+        pieces: list[tuple[str, str | None]] = []
+        shown = monotonic()
+        stats = None
+        try:
+            with self._engine_lock:
+                events = self.engine.stream(self.messages, **settings)
+                for event in events:
+                    pieces.append((event.text, event.source))
+                    stats = event.stats
+                    if self._stop.is_set():
+                        break
+                    if event.done or monotonic() - shown > REFRESH_S:
+                        self.call_from_thread(self._show, answer, pieces, stats)
+                        pieces, shown = [], monotonic()
+                events.close()  # after a stop: the KV caches hold exactly what was generated
+        except edgespec.EdgespecError as e:
+            self.call_from_thread(self.notify, f"{e}. Press ctrl+n for a new conversation.", severity="error")
+        finally:
+            self.call_from_thread(self._finished, answer, pieces, stats)
+
+    async def _show(self, answer: AssistantMessage, pieces, stats: edgespec.Stats) -> None:
+        await answer.add(pieces)
+        self.query_one(StatsPanel).show(stats, self.settings_text)
+        self.query_one("#conversation", VerticalScroll).scroll_end(animate=False)
+
+    async def _finished(self, answer: AssistantMessage, pieces, stats: edgespec.Stats | None) -> None:
+        self.generating = False
+        if answer is not self.answer:  # the conversation was cleared meanwhile
+            return
+        if stats is not None:
+            await self._show(answer, pieces, stats)
+            self.last_stats = stats
+            if stats.finish_reason == "context":
+                self.notify("The context is full. Press ctrl+n to start a new conversation.", severity="warning")
+        self.messages.append({"role": "assistant", "content": answer.text})
+
+    # --- keys ---------------------------------------------------------------
+    @property
+    def settings_text(self) -> str:
+        if not self.speculation:
+            return "speculation off"
+        return f"{self.draft_mode}, γ {self.gamma}"
+
+    def action_stop(self) -> None:
+        self._stop.set()
+
+    def action_toggle_speculation(self) -> None:
+        self.speculation = not self.speculation
+        self.notify(f"Speculation {'on' if self.speculation else 'off'} from the next answer")
+
+    def action_toggle_colour(self) -> None:
+        self.colour = not self.colour
+        for message in self.query(AssistantMessage):
+            message.coloured = self.colour
+
+    def action_cycle_mode(self) -> None:
+        has_model = self.engine is not None and self.engine.drafter is not None
+        modes = DRAFT_MODES if has_model else ("auto", "ngram")
+        self.draft_mode = modes[(modes.index(self.draft_mode) + 1) % len(modes)] if self.draft_mode in modes else "auto"
+        self.notify(f"Draft mode: {self.draft_mode}")
+
+    def action_cycle_gamma(self) -> None:
+        self.gamma = GAMMAS[(GAMMAS.index(self.gamma) + 1) % len(GAMMAS)]
+        self.notify(f"γ: {self.gamma}")
+
+    def action_new_conversation(self) -> None:
+        self.action_stop()
+        self.messages.clear()
+        self.answer = None
+        self.query_one("#conversation", VerticalScroll).remove_children()
+        self.query_one(StatsPanel).reset()
+
+    def action_copy_answer(self) -> None:
+        if self.answer is not None and self.answer.text:
+            self.copy_to_clipboard(self.answer.text)
+            self.notify("Copied the last answer")
+
+    def _close_engine(self) -> None:
+        self._stop.set()
+        with self._engine_lock:  # a generating worker stops within one round
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
+
+    def on_unmount(self) -> None:
+        self._close_engine()
+
+
+def run(**options) -> None:
+    ChatApp(**options).run()
