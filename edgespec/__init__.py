@@ -1,10 +1,10 @@
 """edgespec: local, offline speculative decoding on llama.cpp.
 
-    import edgespec
-    with edgespec.load() as engine:                      # the default pair from models.toml
-        for event in engine.stream("Write a merge sort in Python", temperature=0):
-            print(event.text, end="", flush=True)
-        print(event.stats.summary())
+import edgespec
+with edgespec.load() as engine:                      # the default pair from models.toml
+    for event in engine.stream("Write a merge sort in Python", temperature=0):
+        print(event.text, end="", flush=True)
+    print(event.stats.summary())
 """
 
 from .drafters import Draft, Drafter, ModelDrafter

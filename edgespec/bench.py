@@ -64,8 +64,10 @@ def run_bench(
                     gamma=fixed_gamma if mode == "model" else "auto",
                 ).stats
                 runs[mode].append(stats)
-                log(f"  {prompt['name']:<10} {mode:<6} run {r + 1}: {stats.n_tokens} tokens, "
-                    f"{stats.tokens_per_s:6.2f} tok/s")  # fmt: skip
+                log(
+                    f"  {prompt['name']:<10} {mode:<6} run {r + 1}: {stats.n_tokens} tokens, "
+                    f"{stats.tokens_per_s:6.2f} tok/s"
+                )
         rows.append(_rows(prompt["name"], runs))
     return {
         "target": engine.target.path.name,
@@ -83,7 +85,8 @@ def run_bench(
 
 def _rows(name: str, runs: dict) -> dict:
     """Per mode: tokens/s over all repeats, its ratio to none, and what speculation did."""
-    def rate(samples):  # fmt: skip
+
+    def rate(samples):
         if samples and isinstance(samples[0], tuple):  # llama baseline: (tokens, seconds)
             return sum(n for n, _ in samples) / sum(s for _, s in samples)
         return sum(s.n_tokens for s in samples) / sum(s.decode_s for s in samples)
@@ -125,8 +128,9 @@ class _LlamaBaseline:
         from llama_cpp import Llama
 
         t = self.target = engine.target
-        self.llm = Llama(model_path=str(t.path), n_ctx=t.n_ctx, n_threads=t.n_threads, n_threads_batch=t.n_threads,
-                         verbose=False)  # fmt: skip
+        self.llm = Llama(
+            model_path=str(t.path), n_ctx=t.n_ctx, n_threads=t.n_threads, n_threads_batch=t.n_threads, verbose=False
+        )
 
     def run(self, tokens: list[int], max_tokens: int) -> tuple[int, float]:
         """Greedy tokens and seconds from the first to the last token (prefill excluded)."""
@@ -142,20 +146,28 @@ class _LlamaBaseline:
 
 
 def print_report(report: dict) -> None:
-    print(f"target {report['target']}  draft {report['draft']}  threads {report['n_threads']}  "
-          f"{report['max_tokens']} tokens x {report['repeats']} repeats, greedy; model mode gamma "
-          f"{report['model_gamma']}, other modes gamma auto")  # fmt: skip
+    print(
+        f"target {report['target']}  draft {report['draft']}  threads {report['n_threads']}  "
+        f"{report['max_tokens']} tokens x {report['repeats']} repeats, greedy; model mode gamma "
+        f"{report['model_gamma']}, other modes gamma auto"
+    )
     curve = report["verify_cost_steps"]
-    print(f"calibration ({report['calibration_s']:.1f}s): V(k) in target steps: "
-          + " ".join(f"{k}:{v:.2f}" for k, v in curve.items()))  # fmt: skip
+    print(
+        f"calibration ({report['calibration_s']:.1f}s): V(k) in target steps: "
+        + " ".join(f"{k}:{v:.2f}" for k, v in curve.items())
+    )
     if report["draft_step_cost"] is not None:
         print(f"draft step: {report['draft_step_cost']:.2f} target steps")
-    print(f"{'prompt':<11}{'mode':<7}{'tok/s':>8}{'vs none':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
-          f"{'E[n]':>7}  rounds")  # fmt: skip
+    print(
+        f"{'prompt':<11}{'mode':<7}{'tok/s':>8}{'vs none':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
+        f"{'E[n]':>7}  rounds"
+    )
     for row in report["prompts"]:
         for mode, m in row["modes"].items():
             line = f"{row['prompt']:<11}{mode:<7}{m['tokens_per_s']:>8.2f}{m['speedup']:>8.2f}x"
             if "acceptance_rate" in m:
-                line += (f"{m['acceptance_rate']:>7.2f}{m['tokens_per_round']:>10.2f}{m['mean_gamma']:>8.1f}"
-                         f"{m['expected_tokens_per_drafting_round']:>7.2f}  {m['rounds_by_source']}")  # fmt: skip
+                line += (
+                    f"{m['acceptance_rate']:>7.2f}{m['tokens_per_round']:>10.2f}{m['mean_gamma']:>8.1f}"
+                    f"{m['expected_tokens_per_drafting_round']:>7.2f}  {m['rounds_by_source']}"
+                )
             print(line)

@@ -2,7 +2,7 @@
 tokens at once (all logits), measured per model file, thread count and machine.
 
 Measured once at first load (a few seconds at most), cached in the model cache,
-and refined from the timings of real rounds; saved again when the engine closes.
+and rescaled from the timings of real rounds; saved again when the engine closes.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ class CostCurve:
         return float(self.table[min(k, MAX_K)])
 
     def observe(self, k: int, seconds: float) -> None:
-        """Fold in a real timing; a single outlier (another process, a page fault) moves it little."""
-        if 0 < k <= MAX_K:
-            expected = self.table[k]
-            seconds = min(max(seconds, 0.5 * expected), 2 * expected)
-            self.table[k] = expected + REFINE_WEIGHT * (seconds - expected)
+        """Fold in a real timing. The machine's speed drifts (other load, heat) for
+        all k together, so the whole curve is rescaled and its measured shape kept;
+        one outlier (a page fault) moves it little."""
+        ratio = min(max(seconds / self.table[min(k, MAX_K)], 0.5), 2.0)
+        self.table *= 1 + REFINE_WEIGHT * (ratio - 1)
 
     def as_dict(self) -> dict[int, float]:
         return {k: float(v) for k, v in enumerate(self.table) if k > 0}
@@ -54,7 +54,8 @@ class CostCurve:
 def _key(model: Model, sizes) -> str:
     st = model.path.stat()
     machine = f"{platform.node()}/{platform.machine()}/{_cpu_name()}"
-    return f"{machine}|{model.path.name}:{st.st_size}|threads={model.n_threads}|gpu={model.n_gpu_layers}|llama_cpp={llama_cpp.__version__}|k<={max(sizes)}"
+    setup = f"threads={model.n_threads}|gpu={model.n_gpu_layers}|llama_cpp={llama_cpp.__version__}"
+    return f"{machine}|{model.path.name}:{st.st_size}|{setup}|k<={max(sizes)}"
 
 
 def _cpu_name() -> str:

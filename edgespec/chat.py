@@ -40,4 +40,6 @@ def render(template: str, messages: list[Message], *, bos_token: str = "", eos_t
             messages=messages, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token
         )
     except jinja2.TemplateError as e:
-        raise EdgespecError(f"the model's chat template failed ({e}); send the prompt as plain text with --raw") from None
+        raise EdgespecError(
+            f"the model's chat template failed ({e}); send the prompt as plain text with --raw"
+        ) from None

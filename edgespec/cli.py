@@ -23,10 +23,15 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     g.add_argument("--gpu-layers", type=int, default=0, help="layers to offload on Metal/CUDA builds")
     g.add_argument("--offline", action="store_true", help="never contact Hugging Face")
-    g.add_argument("--gamma", type=_gamma, default=None,
-                   help="draft tokens per round, or auto (default: the pair's, else auto)")  # fmt: skip
-    g.add_argument("--draft-mode", choices=MODES, default="auto",
-                   help="auto (choose per round, default), model, ngram, hybrid or off")  # fmt: skip
+    g.add_argument(
+        "--gamma", type=_gamma, default=None, help="draft tokens per round, or auto (default: the pair's, else auto)"
+    )
+    g.add_argument(
+        "--draft-mode",
+        choices=MODES,
+        default="auto",
+        help="auto (choose per round, default), model, ngram, hybrid or off",
+    )
 
 
 def _gamma(text: str) -> int | str:
@@ -77,9 +82,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 tokens.append(event.token)
         stats = event.stats
     if args.json:
-        keys = ("mode", "gamma", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round",
-                "n_tokens", "tokens_per_s", "prefill_s", "decode_s", "n_prompt", "finish_reason", "draft_mode",
-                "rounds_by_source", "alpha_by_source", "predicted_speedup", "measured_speedup")  # fmt: skip
+        keys = (
+            "mode",
+            "gamma",
+            "rounds",
+            "drafted",
+            "accepted",
+            "acceptance_rate",
+            "tokens_per_round",
+            "n_tokens",
+            "tokens_per_s",
+            "prefill_s",
+            "decode_s",
+            "n_prompt",
+            "finish_reason",
+            "draft_mode",
+            "rounds_by_source",
+            "alpha_by_source",
+            "predicted_speedup",
+            "measured_speedup",
+        )
         all_stats = stats.as_dict()
         print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": {k: all_stats[k] for k in keys}}))
     else:
@@ -117,10 +139,19 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from tui.app import run
 
-    run(pair=args.pair, target=args.target, draft=args.draft, draft_mode=args.draft_mode, gamma=args.gamma,
+    run(
+        pair=args.pair,
+        target=args.target,
+        draft=args.draft,
+        draft_mode=args.draft_mode,
+        gamma=args.gamma,
         max_tokens=args.max_tokens,
-        temperature=args.temperature, n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=args.gpu_layers,
-        offline=args.offline)  # fmt: skip
+        temperature=args.temperature,
+        n_ctx=args.ctx,
+        n_threads=args.threads,
+        n_gpu_layers=args.gpu_layers,
+        offline=args.offline,
+    )
     return 0
 
 

@@ -29,6 +29,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior
 DECAY = 0.97  # per round; after ~25 rounds old evidence counts half
 MAX_MODEL_GAMMA = 12
 MAX_NGRAM_DRAFT = 64
+SLOW_START = 2  # longest draft before any evidence; +4 per recently accepted token
 HYBRID_MIN_MATCH = 5  # hybrid mode: an n-gram match this long is confident enough to use
 
 
@@ -148,8 +149,12 @@ class Controller:
         return self.model_cost(gamma) if source == "model" else self.V(gamma + 1)
 
     def _best(self, source: str, key: str, gammas) -> Plan:
-        """γ chosen under a posterior draw of α; the plan's rate is the expected one."""
+        """γ chosen under a posterior draw of α (Thompson sampling); expected_rate
+        is the same plan's rate under the posterior mean, for the stats."""
         acceptance = self._acceptance(key)
+        # slow start: a long draft on little evidence costs a lot when it fails at once,
+        # so γ may only grow with the tokens this drafter has had accepted lately
+        gammas = [g for g in gammas if g <= SLOW_START + 4 * acceptance.accepted] or [min(gammas)]
         draw = acceptance.sample(self._rng)
         rate, gamma = max((expected_tokens(draw, g) / self.cost(source, g), g) for g in gammas)
         expected = expected_tokens(acceptance.alpha, gamma) / self.cost(source, gamma)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 from .controller import check_mode
 from .drafters import ModelDrafter
@@ -29,9 +28,14 @@ def pairs() -> list[PairInfo]:
     """The target/draft pairs of models.toml (built-in and the user's)."""
     registry = load_registry()
     return [
-        PairInfo(p.name, p.target, p.draft, p.description,
-                 all(cached_path(registry.model(m)).is_file() for m in (p.target, p.draft)),
-                 p.name == registry.default_pair)  # fmt: skip
+        PairInfo(
+            p.name,
+            p.target,
+            p.draft,
+            p.description,
+            all(cached_path(registry.model(m)).is_file() for m in (p.target, p.draft)),
+            p.name == registry.default_pair,
+        )
         for p in registry.pairs.values()
     ]
 

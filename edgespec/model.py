@@ -30,7 +30,9 @@ def check_gguf(path: str | os.PathLike) -> Path:
     """Fail with one sentence unless `path` is a readable file that starts like a GGUF."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise EdgespecError(f"model file not found: {path}; pass an existing .gguf path or a name from `edgespec models`")
+        raise EdgespecError(
+            f"model file not found: {path}; pass an existing .gguf path or a name from `edgespec models`"
+        )
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise EdgespecError(f"{path} is not a GGUF file; pass a llama.cpp .gguf model")

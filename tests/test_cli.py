@@ -32,8 +32,19 @@ def test_generate_json(capsys, smollm2_path):
     assert code == 0
     result = json.loads(out)
     stats = result["stats"]
-    expected = {"mode", "gamma", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round",
-                "n_tokens", "tokens_per_s", "prefill_s", "decode_s"}  # fmt: skip
+    expected = {
+        "mode",
+        "gamma",
+        "rounds",
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "tokens_per_round",
+        "n_tokens",
+        "tokens_per_s",
+        "prefill_s",
+        "decode_s",
+    }
     assert expected <= set(stats)
     assert stats["mode"] == "speculative" and stats["n_tokens"] == len(result["tokens"]) <= 12
     assert isinstance(result["text"], str) and result["text"]
@@ -110,8 +121,8 @@ def bad_sha_registry(tmp_path, monkeypatch):
 [models.badsha]
 file = "badsha.gguf"
 size = {real.size}
-sha256 = "{'0' * 64}"
-wheels = {{ packages = {json.dumps(real.wheels['packages'])}, member = "{real.wheels['member']}" }}
+sha256 = "{"0" * 64}"
+wheels = {{ packages = {json.dumps(real.wheels["packages"])}, member = "{real.wheels["member"]}" }}
 """
     )
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))

@@ -55,7 +55,11 @@ def test_bad_drafter_still_gives_target_output(smollm2):
 
 
 def test_bad_drafter_sampled_mode_is_reproducible(smollm2):
-    run = lambda: Engine(smollm2, RandomDrafter(smollm2.n_vocab), gamma=4, draft_mode="model").generate(PROMPTS[1], max_tokens=24, seed=7)
+    def run():
+        return Engine(smollm2, RandomDrafter(smollm2.n_vocab), gamma=4, draft_mode="model").generate(
+            PROMPTS[1], max_tokens=24, seed=7
+        )
+
     first, second = run(), run()
     assert first.tokens == second.tokens and first.stats.n_tokens == 24
 
@@ -95,7 +99,9 @@ def test_first_token_distribution_matches_target(requant_engine):
 
 
 def test_raw_and_chat_prompts(self_engine):
-    special = lambda text: self_engine.target.tokenize(text, add_special=False, parse_special=True)
+    def special(text):
+        return self_engine.target.tokenize(text, add_special=False, parse_special=True)
+
     (im_start,) = special("<|im_start|>")
     raw = self_engine.prompt_tokens("<|im_start|>user\nHi<|im_end|>\n", raw=True)
     assert raw.count(im_start) == 1  # markup became the special token, not text
@@ -114,7 +120,9 @@ def test_multi_turn_reuses_kv_prefix(self_engine):
     self_engine.target.truncate(0)
     cold = self_engine.chat(messages, temperature=0, max_tokens=16)
     assert cold.stats.n_prompt_cached == 0
-    assert_greedy_match("multi-turn", self_engine.target, self_engine.prompt_tokens(messages), cold.tokens, second.tokens)
+    assert_greedy_match(
+        "multi-turn", self_engine.target, self_engine.prompt_tokens(messages), cold.tokens, second.tokens
+    )
 
 
 def test_provenance_and_stats(self_engine):
@@ -151,7 +159,9 @@ def test_context_full_and_prompt_too_long(smollm2_path):
     target, draft = Model(smollm2_path, n_ctx=64), Model(smollm2_path, n_ctx=64)
     from edgespec import ModelDrafter
 
-    with Engine(target, ModelDrafter(draft, target.n_vocab), gamma=4, draft_mode="model", owned=[target, draft]) as engine:
+    with Engine(
+        target, ModelDrafter(draft, target.n_vocab), gamma=4, draft_mode="model", owned=[target, draft]
+    ) as engine:
         out = engine.generate("Tell me a long story about a dragon.", temperature=0, max_tokens=500)
         assert out.finish_reason == "context"
         assert out.stats.n_prompt + out.stats.n_tokens >= target.n_ctx - 4
@@ -161,9 +171,13 @@ def test_context_full_and_prompt_too_long(smollm2_path):
 
 @pytest.mark.parametrize(
     "kwargs, word",
-    [({"gamma": 0}, "gamma"), ({"max_tokens": 0}, "max-tokens"), ({"temperature": -1}, "temperature"),
-     ({"top_p": 0}, "top-p")],
-)  # fmt: skip
+    [
+        ({"gamma": 0}, "gamma"),
+        ({"max_tokens": 0}, "max-tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top-p"),
+    ],
+)
 def test_bad_parameters(self_engine, kwargs, word):
     with pytest.raises(EdgespecError, match=word):
         self_engine.generate("hi", **kwargs)

@@ -16,7 +16,9 @@ PROMPT = "Write a Python function that merges two sorted lists into one sorted l
 def qwen_engine():
     target = Model(resolve_model("qwen2.5-coder-1.5b"), n_ctx=2048)
     draft = Model(resolve_model("qwen2.5-coder-0.5b"), n_ctx=2048)
-    with Engine(target, ModelDrafter(draft, target.n_vocab), gamma=3, draft_mode="model", owned=[target, draft]) as engine:
+    with Engine(
+        target, ModelDrafter(draft, target.n_vocab), gamma=3, draft_mode="model", owned=[target, draft]
+    ) as engine:
         yield engine
 
 

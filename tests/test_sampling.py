@@ -120,9 +120,14 @@ def test_distribution_filters():
 
 @pytest.mark.parametrize(
     "kwargs, word",
-    [({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top-p"), ({"top_p": 1.5}, "top-p"),
-     ({"top_k": -1}, "top-k"), ({"min_p": 2}, "min-p")],
-)  # fmt: skip
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0}, "top-p"),
+        ({"top_p": 1.5}, "top-p"),
+        ({"top_k": -1}, "top-k"),
+        ({"min_p": 2}, "min-p"),
+    ],
+)
 def test_bad_sampling_params(kwargs, word):
     with pytest.raises(EdgespecError, match=word):
         SamplingParams(**kwargs)

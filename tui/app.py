@@ -48,9 +48,18 @@ class ChatApp(App):
     gamma = reactive("auto")
     generating = reactive(False)
 
-    def __init__(self, pair: str | None = None, *, target=None, draft=None, draft_mode: str = "auto",
-                 gamma: int | str | None = "auto", max_tokens: int = 1024, temperature: float = 0.8,
-                 **load_options) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pair: str | None = None,
+        *,
+        target=None,
+        draft=None,
+        draft_mode: str = "auto",
+        gamma: int | str | None = "auto",
+        max_tokens: int = 1024,
+        temperature: float = 0.8,
+        **load_options,
+    ) -> None:
         super().__init__()
         self.set_reactive(ChatApp.draft_mode, draft_mode)
         self.set_reactive(ChatApp.gamma, gamma or "auto")
