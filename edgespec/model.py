@@ -67,6 +67,8 @@ class Model:
         ctx_params.n_seq_max = 1
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
         ctx_params.no_perf = True
+        if n_gpu_layers == 0:  # on CPU, flash attention makes single-token decoding ~2% slower (measured)
+            ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             self.close()
