@@ -26,7 +26,7 @@ from .sampling import SamplingParams
 MODES = ("auto", "model", "ngram", "hybrid", "off")
 MODEL_PRIOR_ALPHA = 0.7
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior
-DECAY = 0.97  # per round; after ~25 rounds old evidence counts half
+DECAY = 0.99  # per round; after ~70 rounds old evidence counts half
 MAX_MODEL_GAMMA = 12
 MAX_NGRAM_DRAFT = 64
 SLOW_START = 2  # longest draft before any evidence; +4 per recently accepted token
