@@ -114,7 +114,7 @@ def test_controller_turns_off_when_alpha_is_low_and_comes_back_when_it_rises():
         off_rounds += 1
         assert off_rounds < 200
     assert off_rounds > 5  # ... but not at once
-    feed(controller, accepted=4, drafted=4, rounds=10)  # the probe found α high again
+    feed(controller, accepted=4, drafted=4, rounds=30)  # the probe found α high again
     assert controller.plan([1, 2, 3], 100).source == "model"
     assert controller._acceptance("model").alpha > 0.8
 
