@@ -25,7 +25,7 @@ from .sampling import SamplingParams
 
 MODES = ("auto", "model", "ngram", "hybrid", "off")
 MODEL_PRIOR_ALPHA = 0.7
-PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior
+PRIOR_WEIGHT = 6.0  # pseudo-observations behind the prior: draws stay near it until evidence comes
 DECAY = 0.99  # per round; after ~70 rounds old evidence counts half
 MAX_MODEL_GAMMA = 12
 MAX_NGRAM_DRAFT = 64
