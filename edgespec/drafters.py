@@ -60,14 +60,14 @@ class ModelDrafter:
         kept = model.sync(context)
         logits = model.eval(context[kept:])
         tokens: list[int] = []
-        q_rows: list[np.ndarray] = []
+        q_rows = None if params.greedy else np.zeros((n, self.target_vocab))  # padded to the target's vocab
         p_all = 1.0  # the draft's own estimate that every token so far is accepted
         while True:
             if params.greedy:
                 token = int(np.argmax(logits))
                 confidence = 1.0 / np.exp(logits - logits[token]).sum() if stop_below else 1.0
             else:
-                q = np.zeros(self.target_vocab)
+                q = q_rows[len(tokens)]
                 q[: model.n_vocab] = distribution(logits, params)[: self.target_vocab]
                 q /= q.sum()
                 token = sample(q, rng)
@@ -76,12 +76,10 @@ class ModelDrafter:
             if len(tokens) < len(stop_below) and p_all < stop_below[len(tokens)]:
                 break  # not worth verifying: drop it (its draft step is already paid)
             tokens.append(token)
-            if not params.greedy:
-                q_rows.append(q)
             if len(tokens) == n or model.is_eog(token):  # nothing useful follows an end of generation
                 break
             logits = model.eval([token])
-        return Draft(tokens, np.stack(q_rows) if q_rows else None, source="model")
+        return Draft(tokens, None if q_rows is None else q_rows[: len(tokens)], source="model")
 
 
 class NgramDrafter:
@@ -99,10 +97,10 @@ class NgramDrafter:
         self.last_match = 0  # length of the n-gram behind the last draft (0: none)
 
     def prefill(self, context: list[int]) -> None:
-        self._update(context[:-1])
+        self._update(context)
 
     def draft(self, context, n, params=None, rng=None, stop_below=()) -> Draft:
-        self._update(context[:-1])  # n-grams ending at the last token have no follower yet
+        self._update(context)
         for size in self.sizes:
             if len(context) > size and (start := self._index[size].get(tuple(context[-size:]))) is not None:
                 self.last_match = size
@@ -111,13 +109,15 @@ class NgramDrafter:
         return Draft([], None, source="ngram")
 
     def _update(self, context: list[int]) -> None:
+        """Index the n-grams of `context` not indexed yet, except those ending at its
+        last token: they have no follower yet."""
         seen = self._seen
-        if context[: len(seen)] != seen:  # a different conversation: start over
+        if len(context) <= len(seen) or context[: len(seen)] != seen:  # a different conversation
             seen.clear()
             for table in self._index.values():
                 table.clear()
-        for end in range(len(seen), len(context)):  # index n-grams ending at `end`; later ones win
+        for end in range(len(seen), len(context) - 1):  # n-grams ending at `end`; later ones win
             for size in self.sizes:
                 if end + 1 >= size:
                     self._index[size][tuple(context[end + 1 - size : end + 1])] = end + 1
-        seen.extend(context[len(seen) :])
+        seen.extend(context[len(seen) : len(context) - 1])

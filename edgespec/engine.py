@@ -335,7 +335,9 @@ def speculative_decode(
         if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
             n, next_token = verify_greedy(draft.tokens, logits.argmax(axis=1).tolist())
         else:  # accept x_i w.p. min(1, p_i(x)/q_i(x)); else resample norm(max(p_i - q_i, 0)); bonus from p_γ
-            p_rows = np.stack([distribution(row, params) for row in logits])
+            p_rows = np.empty(logits.shape)
+            for i, row in enumerate(logits):
+                p_rows[i] = distribution(row, params)
             n, next_token = verify(draft.tokens, draft.q, p_rows, rng)
 
         # drop the rejected drafts from the target's cache (the drafter trims its own)

@@ -140,9 +140,10 @@ class Model:
         """Keep the longest cached prefix of `tokens`, but never the last token, whose
         logits the caller needs from a fresh eval. Returns how many tokens were kept."""
         limit = min(len(self.tokens), len(tokens) - 1)
-        n = 0
-        while n < limit and self.tokens[n] == tokens[n]:
-            n += 1
+        if self.tokens[:limit] == tokens[:limit]:  # the usual case, compared in C: called every round
+            n = limit
+        else:
+            n = next(i for i in range(limit) if self.tokens[i] != tokens[i])
         self.truncate(n)
         return n
 
