@@ -2,7 +2,7 @@
 
 import edgespec
 with edgespec.load() as engine:                      # the default pair from models.toml
-    for event in engine.stream("Write a merge sort in Python", temperature=0):
+    for event in engine.stream("Write a merge sort in Python", temperature=0, max_tokens=200):
         print(event.text, end="", flush=True)
     print(event.stats.summary())
 """

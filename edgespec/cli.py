@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from .controller import MODES
+from .controller import MODES, check_mode
 from .errors import EdgespecError
 from .sampling import SamplingParams
 
@@ -43,6 +43,17 @@ def _gamma(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Fail on bad settings before any model is loaded, so a typo costs no load time."""
+    from .engine import check_gamma, check_max_tokens
+
+    check_mode(args.draft_mode, has_model=args.target is None or args.draft is not None)
+    if isinstance(args.gamma, int):
+        check_gamma(args.gamma)
+    check_max_tokens(args.max_tokens)
+    SamplingParams(**{k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p") if hasattr(args, k)})
+
+
 def _load(args: argparse.Namespace):
     from .loader import load
 
@@ -60,7 +71,7 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    # validate before loading models, so a typo costs no load time
+    _check(args)
     sampling = asdict(SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed))
     with _load(args) as engine:
         events = engine.stream(
@@ -139,6 +150,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from tui.app import run
 
+    _check(args)
     run(
         pair=args.pair,
         target=args.target,
@@ -158,6 +170,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import print_report, run_bench
 
+    _check(args)
     if args.repeats < 1:
         raise EdgespecError(f"repeats must be >= 1, got {args.repeats}")
     with _load(args) as engine:

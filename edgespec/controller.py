@@ -19,11 +19,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from .calibration import CostCurve
-from .drafters import Draft, ModelDrafter, NgramDrafter
+from .drafters import Draft, Drafter, NgramDrafter
 from .errors import EdgespecError
 from .sampling import SamplingParams
 
 MODES = ("auto", "model", "ngram", "hybrid", "off")
+# the drafters each mode may draw on; a controller keeps only those that exist, so a plan
+# for a missing drafter cannot be made (auto without a draft model: n-gram or nothing)
+MODE_SOURCES = {
+    "auto": ("ngram", "model"),
+    "model": ("model",),
+    "ngram": ("ngram",),
+    "hybrid": ("ngram", "model"),
+    "off": (),
+}
 MODEL_PRIOR_ALPHA = 0.7
 PRIOR_WEIGHT = 6.0  # pseudo-observations behind the prior: draws stay near it until evidence comes
 DECAY = 0.99  # per round; after ~70 rounds old evidence counts half
@@ -109,25 +118,27 @@ class Controller:
         gamma: int | None,
         verify_cost: CostCurve | None,
         draft_step_cost: CostCurve | None,
-        model: ModelDrafter | None,
+        model: Drafter | None,
         ngram: NgramDrafter,
     ) -> None:
         check_mode(mode, has_model=model is not None)
         self.mode, self.gamma = mode, gamma
         self.adaptive = mode == "auto" or gamma is None
         self.V, self.draft_step = verify_cost, draft_step_cost
-        self.model, self.ngram = model, ngram
+        available = {"model": model, "ngram": ngram}
+        # the drafters this controller may plan for: only those the mode allows and that exist
+        self.drafters = {s: available[s] for s in MODE_SOURCES[mode] if available[s] is not None}
         self.acceptance: dict[str, Acceptance] = {}  # per "model" / "ngram<match length>"
         self.last: Plan = Plan(0.0, "off", 0)
         self._predicted = [0.0, 0.0]  # expected tokens and seconds of the plans chosen so far
         self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
 
     def prefill(self, context: list[int]) -> None:
-        if self.mode in ("auto", "ngram", "hybrid"):
-            self.ngram.prefill(context)
+        if "ngram" in self.drafters:
+            self.drafters["ngram"].prefill(context)
         # in auto mode a draft model that cannot pay even at α = 1 is never run, so not prefilled
-        if self.mode in ("model", "hybrid") or (self.mode == "auto" and self.model and self._model_can_pay()):
-            self.model.prefill(context)
+        if "model" in self.drafters and (self.mode != "auto" or self._model_can_pay()):
+            self.drafters["model"].prefill(context)
 
     def _model_can_pay(self) -> bool:
         return any((g + 1) / self.model_cost(g) > self.off_rate() for g in range(1, MAX_MODEL_GAMMA + 1))
@@ -166,18 +177,18 @@ class Controller:
             return Plan(0.0, "off", 0)
         fixed = self.gamma
         candidates = [Plan(self.off_rate(), "off", 0)] if self.adaptive else []
-        use_model = self.mode in ("auto", "model")
-        if self.mode in ("auto", "ngram", "hybrid"):
-            lookup = self.ngram.draft(context, min(room, fixed or MAX_NGRAM_DRAFT))
-            confident = self.mode != "hybrid" or self.ngram.last_match >= HYBRID_MIN_MATCH
-            if lookup.tokens and confident:
+        confident_lookup = False
+        if ngram := self.drafters.get("ngram"):
+            lookup = ngram.draft(context, min(room, fixed or MAX_NGRAM_DRAFT))
+            confident_lookup = bool(lookup.tokens) and (self.mode != "hybrid" or ngram.last_match >= HYBRID_MIN_MATCH)
+            if confident_lookup:
                 gammas = [len(lookup.tokens)] if fixed else range(1, len(lookup.tokens) + 1)
-                key = f"ngram{self.ngram.last_match}"
+                key = f"ngram{ngram.last_match}"
                 plan = self._best("ngram", key, gammas) if self.adaptive else Plan(1.0, "ngram", gammas[0], key=key)
                 plan.draft = Draft(lookup.tokens[: plan.gamma], None, source="ngram")
                 candidates.append(plan)
-            use_model |= self.mode == "hybrid" and not (lookup.tokens and confident)
-        if use_model:
+        # hybrid: the model only where the lookup has no confident match
+        if "model" in self.drafters and not (self.mode == "hybrid" and confident_lookup):
             gammas = [min(fixed, room)] if fixed else range(1, min(MAX_MODEL_GAMMA, room) + 1)
             plan = self._best("model", "model", gammas) if self.adaptive else Plan(1.0, "model", gammas[0], key="model")
             candidates.append(plan)
@@ -196,7 +207,7 @@ class Controller:
             # what its extra cost (one draft step + the verify batch growing) earns at this plan's rate
             step = self.draft_step(1) if self.draft_step else 0.0
             stop_below = [plan.rate * (step + self.V(i + 2) - self.V(i + 1)) for i in range(plan.gamma)]
-        return self.model.draft(context, plan.gamma, params, rng, stop_below)
+        return self.drafters[plan.source].draft(context, plan.gamma, params, rng, stop_below)
 
     def observe(self, draft: Draft, n_accepted: int, draft_s: float, verify_s: float) -> None:
         """Learn from a finished round: acceptance and the real costs."""

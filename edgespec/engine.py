@@ -26,6 +26,12 @@ def check_gamma(gamma: int) -> int:
     return gamma
 
 
+def check_max_tokens(max_tokens: int) -> int:
+    if max_tokens < 1:
+        raise EdgespecError(f"max-tokens must be >= 1, got {max_tokens}")
+    return max_tokens
+
+
 @dataclass
 class Stats:
     """Running statistics of one generation (updated in place while it streams)."""
@@ -192,8 +198,7 @@ class Engine:
         gamma = self.gamma if gamma is None else gamma
         gamma = None if gamma in (None, "auto") else check_gamma(gamma)
         mode = "off" if not speculative else (draft_mode or self.draft_mode)
-        if max_tokens < 1:
-            raise EdgespecError(f"max-tokens must be >= 1, got {max_tokens}")
+        check_max_tokens(max_tokens)
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
         tokens = self.prompt_tokens(prompt, raw=raw)
         if len(tokens) >= self.target.n_ctx:

@@ -123,7 +123,7 @@ def test_model_draft_gets_stop_thresholds_from_the_cost_model():
     controller = adaptive(CPU, CostCurve({1: 0.2, 2: 0.25}))
     controller._acceptance("model").accepted = 1e6  # α ≈ 1
     draft = controller.propose([1, 2, 3], 100, GREEDY, RNG)
-    n, stop_below = controller.model.calls[-1]
+    n, stop_below = controller.drafters["model"].calls[-1]
     assert draft.source == "model" and len(stop_below) == n
     plan = controller.last
     assert stop_below[0] == pytest.approx(plan.rate * (0.2 + CPU(2) - CPU(1)))
@@ -207,3 +207,13 @@ def test_ngram_first_token_distribution_matches_target(smollm2):
     observed_bins = np.r_[counts[big], counts[~big].sum()]
     expected_bins = np.r_[expected[big], expected[~big].sum()]
     assert scipy_stats.chisquare(observed_bins, expected_bins).pvalue > 0.01
+
+
+def test_auto_without_a_draft_model_never_plans_one():
+    """The prior says a draft model pays on these costs; with none loaded, no plan may name it."""
+    controller = Controller("auto", None, GPU, None, None, NgramDrafter())
+    assert "model" not in controller.drafters
+    for context in ([1, 2, 3], [1, 2, 3, 4, 1, 2, 3]):
+        for _ in range(50):
+            draft = controller.propose(context, 100, GREEDY, RNG)
+            assert draft.source in ("off", "ngram")

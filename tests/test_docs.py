@@ -1,0 +1,48 @@
+"""The README's commands and examples, and the package docstring's, run as written
+(on the default pair, as a newcomer would)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import edgespec
+
+README = (Path(__file__).parents[1] / "README.md").read_text()
+
+
+def code_blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_quick_start_runs_the_main_job():
+    first = code_blocks(README, "sh")[0].strip()
+    install, command = first.split(" && ", 1)
+    assert install == "pip install -e ."  # CI runs the install; here the main job
+    done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "def " in done.stdout and "tok/s" in done.stderr.splitlines()[-1]
+
+
+def test_readme_test_command_is_what_ci_runs():
+    second = code_blocks(README, "sh")[1].strip()
+    ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
+    for part in second.split(" && "):
+        assert part in ci
+
+
+def test_readme_library_example(capsys):
+    (example,) = [b for b in code_blocks(README, "python") if "edgespec.load" in b]
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert len(out) > 200 and "tokens" in out
+    assert namespace["result"].text and namespace["reply"].text
+
+
+def test_package_docstring_example(capsys):
+    example = "\n".join(line for line in edgespec.__doc__.splitlines()[2:])
+    exec(compile(example, "edgespec/__init__.py", "exec"), {})
+    assert "def " in capsys.readouterr().out
