@@ -2,27 +2,41 @@
 
 All modes run greedy on the same engine, alternating, so they share the
 machine's state (heat, caches, other load); speed is reported as a ratio to the
-target-alone ("none") runs of the same prompt.
+target-alone ("none") runs of the same prompt: the median over repeats of the
+ratio within each repeat.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from time import perf_counter
+
+import numpy as np
 
 from . import calibration
 from .controller import expected_tokens
 from .engine import Engine
+from .errors import EdgespecError
 from .registry import tomllib
 
 PROMPTS_FILE = Path(__file__).with_name("bench_prompts.toml")
-MODES = ("none", "model", "ngram", "hybrid", "auto")
+MODES = ("none", "model", "copy", "hybrid", "auto")
 FIXED_GAMMA = 3  # the "model" mode's draft length unless --gamma says otherwise
 
 
 def load_prompts() -> list[dict]:
-    return tomllib.loads(PROMPTS_FILE.read_text())["prompt"]
+    """The prompt classes; one with `prediction_from` sends the code block of another
+    class's prompt (the file being edited) as the predicted output."""
+    prompts = tomllib.loads(PROMPTS_FILE.read_text())["prompt"]
+    by_name = {p["name"]: p for p in prompts}
+    for p in prompts:
+        if source := p.get("prediction_from"):
+            p["text"] = by_name[source]["text"]
+            p["prediction"] = re.search(r"```\w*\n(.*?)```", p["text"], flags=re.S).group(1)
+    return prompts
 
 
 def run_bench(
@@ -33,9 +47,16 @@ def run_bench(
     gamma: int | None = None,
     progress: bool = True,
     llama_baseline: bool = False,
+    modes: Sequence[str] = MODES,
+    prompts: Sequence[str] | None = None,
 ) -> dict:
+    """modes: which of MODES to run ("none", the baseline, always runs); prompts: which
+    classes (default: all)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    modes = [m for m in MODES if engine.drafter is not None or m not in ("model", "hybrid")]
+    for name in [*modes, *(prompts or ())]:
+        if name not in MODES and name not in [p["name"] for p in load_prompts()]:
+            raise EdgespecError(f"unknown bench mode or prompt '{name}'; modes: {', '.join(MODES)}")
+    modes = [m for m in MODES if (m == "none" or m in modes) and (engine.drafter or m not in ("model", "hybrid"))]
     if llama_baseline:
         modes.append("llama")
     fixed_gamma = gamma or FIXED_GAMMA
@@ -48,7 +69,7 @@ def run_bench(
     llama = _LlamaBaseline(engine) if llama_baseline else None
 
     rows = []
-    for prompt in load_prompts():
+    for prompt in [p for p in load_prompts() if not prompts or p["name"] in prompts]:
         runs: dict[str, list] = {m: [] for m in modes}
         for r in range(repeats):
             for mode in modes if r % 2 == 0 else modes[::-1]:  # alternate the order between repeats
@@ -62,13 +83,14 @@ def run_bench(
                     speculative=mode != "none",
                     draft_mode=None if mode == "none" else mode,
                     gamma=fixed_gamma if mode == "model" else "auto",
+                    prediction=prompt.get("prediction"),
                 ).stats
                 runs[mode].append(stats)
                 log(
                     f"  {prompt['name']:<10} {mode:<6} run {r + 1}: {stats.n_tokens} tokens, "
                     f"{stats.tokens_per_s:6.2f} tok/s"
                 )
-        rows.append(_rows(prompt["name"], runs))
+        rows.append(_rows(prompt["name"], runs) | {"ceiling": _ceiling(verify_curve)})
     return {
         "target": engine.target.path.name,
         "draft": draft_model.path.name if draft_model else None,
@@ -77,30 +99,41 @@ def run_bench(
         "repeats": repeats,
         "model_gamma": fixed_gamma,
         "calibration_s": calibration_s,
-        "verify_cost_steps": {k: verify_curve(k) / verify_curve(1) for k in (*range(1, 17), 24, 32, 48, 64)},
+        "flash_attn": engine.target.flash_attn,
+        "verify_cost_steps": {k: verify_curve(k) / verify_curve(1) for k in sorted(verify_curve.points)},
         "draft_step_cost": draft_curve(1) / verify_curve(1) if draft_curve else None,
         "prompts": rows,
     }
 
 
+def _ceiling(curve: calibration.CostCurve) -> dict:
+    """What a perfect free drafter could reach with the curve measured so far: k tokens
+    per pass of k, at the best k (in target steps, i.e. a speedup)."""
+    speedup, k = curve.best_rate()
+    return {"speedup": speedup, "pass_size": k}
+
+
 def _rows(name: str, runs: dict) -> dict:
-    """Per mode: tokens/s over all repeats, its ratio to none, and what speculation did."""
+    """Per mode: tokens/s over all repeats, the median over repeats of its ratio to none
+    in the same repeat, and what speculation did."""
 
     def rate(samples):
         if samples and isinstance(samples[0], tuple):  # llama baseline: (tokens, seconds)
             return sum(n for n, _ in samples) / sum(s for _, s in samples)
         return sum(s.n_tokens for s in samples) / sum(s.decode_s for s in samples)
 
-    none = rate(runs["none"])
     out = {"prompt": name, "modes": {}}
     for mode, samples in runs.items():
-        row = {"tokens_per_s": rate(samples), "speedup": rate(samples) / none}
+        ratios = [rate([mine]) / rate([none]) for mine, none in zip(samples, runs["none"], strict=True)]
+        row = {"tokens_per_s": rate(samples), "speedup": float(np.median(ratios))}
         if mode not in ("none", "llama"):
             drafted, accepted, rounds = (sum(getattr(s, k) for s in samples) for k in ("drafted", "accepted", "rounds"))
             drafting = sum(s.rounds - s.rounds_by_source.get("off", 0) for s in samples)
             alpha = accepted / drafted if drafted else 0.0
             mean_gamma = drafted / drafting if drafting else 0.0
             row |= {
+                "accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in samples),
+                "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in samples),
                 "acceptance_rate": alpha,
                 "tokens_per_round": (accepted + rounds) / rounds,
                 "mean_gamma": mean_gamma,  # over rounds that drafted
@@ -126,11 +159,19 @@ class _LlamaBaseline:
 
     def __init__(self, engine: Engine) -> None:
         from llama_cpp import Llama
+        from llama_cpp._logger import logger
 
         t = self.target = engine.target
+        level = logger.level  # Llama() sets its own log level: keep ours (quiet unless EDGESPEC_VERBOSE)
         self.llm = Llama(
-            model_path=str(t.path), n_ctx=t.n_ctx, n_threads=t.n_threads, n_threads_batch=t.n_threads, verbose=False
+            model_path=str(t.path),
+            n_ctx=t.n_ctx,
+            n_threads=t.n_threads,
+            n_threads_batch=t.n_threads,
+            flash_attn=t.flash_attn,
+            verbose=False,
         )
+        logger.setLevel(level)
 
     def run(self, tokens: list[int], max_tokens: int) -> tuple[int, float]:
         """Greedy tokens and seconds from the first to the last token (prefill excluded)."""
@@ -153,21 +194,28 @@ def print_report(report: dict) -> None:
     )
     curve = report["verify_cost_steps"]
     print(
-        f"calibration ({report['calibration_s']:.1f}s): V(k) in target steps: "
-        + " ".join(f"{k}:{v:.2f}" for k, v in curve.items())
+        f"calibration ({report['calibration_s']:.1f}s, flash attention {'on' if report['flash_attn'] else 'off'}):"
+        " V(k) in target steps: " + " ".join(f"{k}:{v:.2f}" for k, v in curve.items())
     )
     if report["draft_step_cost"] is not None:
         print(f"draft step: {report['draft_step_cost']:.2f} target steps")
     print(
-        f"{'prompt':<11}{'mode':<7}{'tok/s':>8}{'vs none':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
+        f"{'prompt':<15}{'mode':<7}{'tok/s':>8}{'vs none':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
         f"{'E[n]':>7}  rounds"
     )
     for row in report["prompts"]:
+        ceiling = row["ceiling"]
+        print(
+            f"{row['prompt']:<15}ceiling {ceiling['speedup']:.2f}x"
+            f" (a perfect free draft, passes of {ceiling['pass_size']})"
+        )
         for mode, m in row["modes"].items():
-            line = f"{row['prompt']:<11}{mode:<7}{m['tokens_per_s']:>8.2f}{m['speedup']:>8.2f}x"
+            line = f"{row['prompt']:<15}{mode:<7}{m['tokens_per_s']:>8.2f}{m['speedup']:>8.2f}x"
             if "acceptance_rate" in m:
                 line += (
                     f"{m['acceptance_rate']:>7.2f}{m['tokens_per_round']:>10.2f}{m['mean_gamma']:>8.1f}"
                     f"{m['expected_tokens_per_drafting_round']:>7.2f}  {m['rounds_by_source']}"
                 )
+                if m["accepted_prediction_tokens"] or m["rejected_prediction_tokens"]:
+                    line += f" prediction +{m['accepted_prediction_tokens']}/-{m['rejected_prediction_tokens']}"
             print(line)

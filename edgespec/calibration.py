@@ -1,15 +1,25 @@
-"""What a forward pass costs on this machine: V(k), the seconds to evaluate k
-tokens at once (all logits), measured per model file, thread count and machine.
+"""What a forward pass costs on this machine: V(k), the seconds to evaluate k tokens
+at once (all logits), per model file, thread count, flash-attention setting and machine.
 
-Measured once at first load (a few seconds at most), cached in the model cache,
-and rescaled from the timings of real rounds; saved again when the engine closes.
+On a CPU V(k) is far from smooth: llama.cpp's batched kernels work in blocks, so 16,
+32 or 64 tokens can cost less than 15, 31 or 63 (measured here: V(15) = 9.2 and
+V(16) = 8.6 single-token steps). So points are measured where passes are cheap per
+token (1-8, 16, 32, 64), the controller only plans passes of those sizes, and sizes
+that real rounds happen to use become points too.
+
+Measured once per machine (about 2 s for a 1.5B model on 2 cores), cached in the
+model cache, moved by the timings of real rounds, and measured again from time to
+time (RECHECK_S): a curve measured while the machine was busy must not stick, even
+for a drafter the controller has stopped using because it looked too slow.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import time
 from time import perf_counter
 
 import llama_cpp
@@ -18,44 +28,99 @@ import numpy as np
 from .model import Model
 from .registry import cache_dir
 
-TARGET_SIZES = (1, 2, 4, 6, 8, 16, 32)  # measured for the target; others interpolated
+TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes measured for a target
 DRAFT_SIZES = (1, 2)  # a draft model decodes one token per step (two after a fully accepted round)
-MAX_K = 65  # up to a 64-token n-gram draft plus the token before it
-REFINE_WEIGHT = 0.1  # weight of one real round in the running estimate
+SMOOTH_UP_TO = 8  # below this V(k) is close to linear: any k may be planned, interpolated
+MAX_K = 65  # up to a 64-token copy draft plus the token before it
+DRIFT_WEIGHT = 0.05  # weight of one real round in the whole curve's scale (the machine's speed drifts)
+POINT_WEIGHT = 0.25  # ... and in the point it measured
+RECHECK_S = 600.0  # measure cached points again when they are older than this
+PROBE_DEPTH = 16  # tokens in the cache while timing (a deeper cache costs seconds to fill)
+FLASH_PROBE_SIZES = (1, 16)  # decode and a verify pass, timed with flash attention on and off
+# On a CPU flash attention loses ground as the cache grows (measured on a 2-core EPYC, 1.5B
+# model: decode 3-7% faster at depth 16 but 3% slower at 800; 32-token verify passes equal at
+# depth 16, 10% slower at 400, 20% at 800), and a deep cache costs seconds per setting to fill.
+# So at the probe's shallow depth it must be ahead on both kinds of pass by this margin.
+FLASH_MARGIN = 0.02
 
 
 class CostCurve:
-    """Seconds for one forward pass over k tokens of one model, for k = 1..MAX_K:
-    measured points, linear in between, the last slope beyond."""
+    """Seconds for one forward pass over k tokens of one model: measured points,
+    linear in between, the last slope beyond."""
 
-    def __init__(self, seconds: dict[int, float]) -> None:
-        ks = sorted(seconds)
-        if len(ks) == 1:
-            ks, seconds = ks + [ks[0] + 1], {**seconds, ks[0] + 1: 2 * seconds[ks[0]]}
-        k = np.arange(MAX_K + 1)
-        values = [seconds[x] for x in ks]
-        slope = (values[-1] - values[-2]) / (ks[-1] - ks[-2])
-        self.table = np.where(k <= ks[-1], np.interp(k, ks, values), values[-1] + slope * (k - ks[-1]))
+    def __init__(self, points: dict[int, float], checked_at: float | None = None) -> None:
+        self.points = dict(points)
+        self.checked_at = time.time() if checked_at is None else checked_at  # when last measured
+        self._recheck_index = 0
 
     def __call__(self, k: int) -> float:
-        return float(self.table[min(k, MAX_K)])
+        k = min(k, MAX_K)
+        if k in self.points:
+            return self.points[k]
+        ks = sorted(self.points)
+        if len(ks) == 1:
+            return self.points[ks[0]] * k / ks[0]
+        if k > ks[-1]:
+            slope = (self.points[ks[-1]] - self.points[ks[-2]]) / (ks[-1] - ks[-2])
+            return self.points[ks[-1]] + slope * (k - ks[-1])
+        return float(np.interp(k, ks, [self.points[x] for x in ks]))
+
+    def sizes(self, limit: int) -> list[int]:
+        """Pass sizes worth planning, up to `limit`: any small one, else only known points."""
+        return [k for k in range(1, min(limit, MAX_K) + 1) if k <= SMOOTH_UP_TO or k in self.points]
+
+    def best_rate(self) -> tuple[float, int]:
+        """The ceiling a perfect free drafter reaches: max over k of k / V(k), in target steps."""
+        return max((k * self(1) / self(k), k) for k in self.sizes(MAX_K))
 
     def observe(self, k: int, seconds: float) -> None:
-        """Fold in a real timing. The machine's speed drifts (other load, heat) for
-        all k together, so the whole curve is rescaled and its measured shape kept;
-        one outlier (a page fault) moves it little."""
-        ratio = min(max(seconds / self.table[min(k, MAX_K)], 0.5), 2.0)
-        self.table *= 1 + REFINE_WEIGHT * (ratio - 1)
+        """Fold in a real round's timing: a little into the whole curve (the machine's
+        speed drifts for all k together), more into the point itself (its own shape).
+        Clipped, so one outlier (a page fault) moves it little."""
+        k = min(k, MAX_K)
+        ratio = min(max(seconds / self(k), 0.5), 2.0)
+        for x in self.points:
+            self.points[x] *= 1 + DRIFT_WEIGHT * (ratio - 1)
+        # a size the curve only interpolated becomes a point of its own
+        self.points[k] = self(k) * (1 + POINT_WEIGHT * (ratio - 1))
 
-    def as_dict(self) -> dict[int, float]:
-        return {k: float(v) for k, v in enumerate(self.table) if k > 0}
+    def recheck(self, k: int, seconds: float) -> None:
+        """Fold in a fresh measurement: a lower time is taken at once (other load only
+        ever adds time, so the old one was measured on a busy machine); a higher one
+        halfway (the machine may have become slower, or be busy now)."""
+        old = self(k)
+        self.points[k] = seconds if seconds < old else (old + seconds) / 2
+
+    def next_recheck_sizes(self) -> list[int]:
+        """Each re-check times the single step and one other point, in turn."""
+        others = [k for k in sorted(self.points) if k != 1]
+        if not others:
+            return [1]
+        self._recheck_index = (self._recheck_index + 1) % len(others)
+        return [1, others[self._recheck_index]]
+
+    def to_json(self) -> dict:
+        return {"points": {str(k): v for k, v in self.points.items()}, "checked_at": self.checked_at}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostCurve:
+        return cls({int(k): float(v) for k, v in data["points"].items()}, data["checked_at"])
+
+
+# --- the cache --------------------------------------------------------------------
+
+
+def _setup(model: Model) -> str:
+    st = model.path.stat()
+    machine = f"{platform.node()}/{platform.machine()}/{_cpu_name()}"
+    return (
+        f"{machine}|{model.path.name}:{st.st_size}|threads={model.n_threads}|gpu={model.n_gpu_layers}"
+        f"|llama_cpp={llama_cpp.__version__}"
+    )
 
 
 def _key(model: Model, sizes) -> str:
-    st = model.path.stat()
-    machine = f"{platform.node()}/{platform.machine()}/{_cpu_name()}"
-    setup = f"threads={model.n_threads}|gpu={model.n_gpu_layers}|llama_cpp={llama_cpp.__version__}"
-    return f"{machine}|{model.path.name}:{st.st_size}|{setup}|k<={max(sizes)}"
+    return f"{_setup(model)}|fa={int(model.flash_attn)}|k={','.join(map(str, sizes))}"
 
 
 def _cpu_name() -> str:
@@ -77,43 +142,99 @@ def _read_store() -> dict:
         return {}
 
 
+def _write(key: str, value) -> None:
+    """Write atomically, so concurrent runs never leave a half-written file."""
+    store = _read_store()
+    store[key] = value
+    path = _store_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(store, indent=1))
+    os.replace(tmp, path)
+
+
+# --- measuring --------------------------------------------------------------------
+
+
+def _time(model: Model, k: int, tries: int) -> float:
+    """Fastest of `tries` passes over k tokens (other load only ever adds time) on top of
+    what the cache holds, which is left as it was (a conversation's cache survives a
+    re-check); an empty cache first gets a short dummy prefix."""
+    if not model.tokens:
+        model.eval([0] * PROBE_DEPTH)
+        model.eval([0], all_logits=True)  # warm-up: first decodes allocate
+        model.truncate(PROBE_DEPTH)
+    base = len(model.tokens)
+    if base + k > model.n_ctx:
+        return float("nan")
+    best = float("inf")
+    for _ in range(tries):
+        start = perf_counter()
+        model.eval(model.tokens[-1:] * k, all_logits=True)
+        best = min(best, perf_counter() - start)
+        model.truncate(base)
+    return best
+
+
+# points timed in this process while choosing flash attention, reused by measure()
+_probed: dict[str, dict[int, float]] = {}
+
+
 def measure(model: Model, sizes) -> CostCurve:
-    """Time forward passes of k dummy tokens after a short prefix. Other load only
-    ever adds time, so the fastest of a few tries is kept (more tries where they are cheap)."""
-    sizes = [k for k in sizes if 16 + k <= model.n_ctx]
-    model.truncate(0)
-    prefix = [model.bos if model.bos >= 0 else 0] * 16
-    model.eval(prefix)
-    model.eval(prefix[:1], all_logits=True)  # warm-up: first decodes allocate
-    seconds = {}
-    for k in sizes:
-        times = []
-        for _ in range(3 if k == 1 else 2 if k <= 8 else 1):
-            model.truncate(len(prefix))
-            start = perf_counter()
-            model.eval(prefix[:1] * k, all_logits=True)
-            times.append(perf_counter() - start)
-        seconds[k] = min(times)
-    model.truncate(0)
-    return CostCurve(seconds)
+    """Time each size: the single step a few times, the others once."""
+    sizes = [k for k in sizes if PROBE_DEPTH + k < model.n_ctx]
+    known = _probed.get(_key(model, ()), {})
+    points = {k: known[k] if k in known else _time(model, k, 3 if k == 1 else 1) for k in sizes}
+    return CostCurve(points)
 
 
 def load_or_measure(model: Model, sizes=TARGET_SIZES) -> CostCurve:
     """The cached curve for this model on this machine, or a fresh measurement."""
     cached = _read_store().get(_key(model, sizes))
     if cached:
-        return CostCurve({int(k): float(v) for k, v in cached.items()})
+        try:
+            return CostCurve.from_json(cached)
+        except (KeyError, TypeError, ValueError):
+            pass  # written by an older version: measure again
     curve = measure(model, sizes)
     save(model, sizes, curve)
     return curve
 
 
 def save(model: Model, sizes, curve: CostCurve) -> None:
-    """Write atomically, so concurrent runs never leave a half-written file."""
-    store = _read_store()
-    store[_key(model, sizes)] = {str(k): v for k, v in curve.as_dict().items()}
-    path = _store_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(store, indent=1))
-    os.replace(tmp, path)
+    _write(_key(model, sizes), curve.to_json())
+
+
+def recheck(curves: list[tuple[Model, CostCurve]]) -> None:
+    """Measure again, alternating between the models so that both see the same load,
+    a point or two of each curve whose last check is older than RECHECK_S."""
+    stale = [(model, curve) for model, curve in curves if time.time() - curve.checked_at > RECHECK_S]
+    plans = [(model, curve, curve.next_recheck_sizes()) for model, curve in stale]
+    for attempt in range(2):
+        for model, curve, ks in plans:
+            for k in ks if attempt == 0 else ks[:1]:  # the cheap single step twice, the other point once
+                if not math.isnan(seconds := _time(model, k, 1)):  # NaN: no room left in the context
+                    curve.recheck(k, seconds)
+    for _, curve, _ in plans:
+        curve.checked_at = time.time()
+
+
+def choose_flash_attn(model: Model) -> bool:
+    """Flash attention on or off, whichever decodes and verifies faster on this machine
+    (measured once, cached; see FLASH_MARGIN): it wins on some CPUs and loses on others.
+    Leaves the model's context set to the choice. On a GPU it is on."""
+    if model.n_gpu_layers > 0:
+        model.set_flash_attn(True)
+        return True
+    key = f"{_setup(model)}|flash_attn"
+    choice = _read_store().get(key)
+    if choice is None:
+        points = {}
+        for flash_attn in (True, False):
+            model.set_flash_attn(flash_attn)
+            points[flash_attn] = {k: _time(model, k, 3 if k == 1 else 1) for k in FLASH_PROBE_SIZES}
+            _probed[_key(model, ())] = points[flash_attn]
+        choice = all(points[True][k] < (1 - FLASH_MARGIN) * points[False][k] for k in FLASH_PROBE_SIZES)
+        _write(key, choice)
+    model.set_flash_attn(bool(choice))
+    return bool(choice)

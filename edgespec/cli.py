@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from .controller import MODES, check_mode
 from .errors import EdgespecError
@@ -30,7 +31,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         "--draft-mode",
         choices=MODES,
         default="auto",
-        help="auto (choose per round, default), model, ngram, hybrid or off",
+        help="auto (choose per round, default), model, copy, hybrid or off",
     )
 
 
@@ -73,9 +74,11 @@ def _load(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     _check(args)
     sampling = asdict(SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed))
+    prediction = _read_prediction(args.prediction)
     with _load(args) as engine:
         events = engine.stream(
             args.prompt,
+            prediction=prediction,
             max_tokens=args.max_tokens,
             speculative=not args.no_draft,
             stop=args.stop,
@@ -112,6 +115,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "alpha_by_source",
             "predicted_speedup",
             "measured_speedup",
+            "accepted_prediction_tokens",
+            "rejected_prediction_tokens",
+            "flash_attn",
         )
         all_stats = stats.as_dict()
         print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": {k: all_stats[k] for k in keys}}))
@@ -121,6 +127,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if stats.finish_reason == "context":
         print(f"edgespec: the context ({args.ctx} tokens) is full; the answer was cut (raise --ctx)", file=sys.stderr)
     return 0
+
+
+def _read_prediction(name: str | None) -> str | None:
+    if name is None:
+        return None
+    if name == "-":
+        return sys.stdin.read()
+    try:
+        return Path(name).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise EdgespecError(
+            f"cannot read the prediction file {name} ({e.__class__.__name__}); give a UTF-8 text file or -"
+        ) from None
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -168,6 +187,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
     from .bench import print_report, run_bench
 
     _check(args)
@@ -181,6 +201,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             gamma=args.gamma if isinstance(args.gamma, int) else None,
             progress=not args.json,
             llama_baseline=args.llama_baseline,
+            modes=args.modes.split(",") if args.modes else bench.MODES,
+            prompts=args.prompts.split(",") if args.prompts else None,
         )
     if args.json:
         print(json.dumps(report, indent=2))
@@ -206,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); trimmed from the output")
     g.add_argument("--raw", action="store_true", help="send PROMPT as plain completion text, no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.add_argument(
+        "--prediction",
+        metavar="FILE",
+        help="text the answer will largely repeat, e.g. the file being edited (- for stdin): drafts are"
+        " copied from it; the answer is the same with or without it",
+    )
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("pull", help="download and verify models into the cache")
@@ -227,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1, help="runs of each prompt and mode (default 1)")
     b.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
     b.add_argument("--llama-baseline", action="store_true", help="also time llama-cpp-python's Llama on the target")
+    b.add_argument("--modes", help="comma-separated modes to run besides none (default: all)")
+    b.add_argument("--prompts", help="comma-separated prompt classes (default: all)")
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     b.set_defaults(func=cmd_bench)
     return parser

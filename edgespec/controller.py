@@ -19,27 +19,30 @@ from dataclasses import dataclass
 import numpy as np
 
 from .calibration import CostCurve
-from .drafters import Draft, Drafter, NgramDrafter
+from .drafters import SOURCE_NAMES as COPY_SOURCES
+from .drafters import CopyDrafter, Draft, Drafter
 from .errors import EdgespecError
 from .sampling import SamplingParams
 
-MODES = ("auto", "model", "ngram", "hybrid", "off")
+MODES = ("auto", "model", "copy", "hybrid", "off")
 # the drafters each mode may draw on; a controller keeps only those that exist, so a plan
-# for a missing drafter cannot be made (auto without a draft model: n-gram or nothing)
+# for a missing drafter cannot be made (auto without a draft model: copy or nothing)
 MODE_SOURCES = {
-    "auto": ("ngram", "model"),
+    "auto": ("copy", "model"),
     "model": ("model",),
-    "ngram": ("ngram",),
-    "hybrid": ("ngram", "model"),
+    "copy": ("copy",),
+    "hybrid": ("copy", "model"),
     "off": (),
 }
 MODEL_PRIOR_ALPHA = 0.7
+COPY_MAX_PRIOR = 0.9999
+COPY_BUCKETS = ((2, 4), (8, 16), (16, 32), (64, float("inf")))  # (key, evidence below)
 PRIOR_WEIGHT = 6.0  # pseudo-observations behind the prior: draws stay near it until evidence comes
 DECAY = 0.99  # per round; after ~70 rounds old evidence counts half
 MAX_MODEL_GAMMA = 12
-MAX_NGRAM_DRAFT = 64
+MAX_COPY_DRAFT = 64
 SLOW_START = 2  # longest draft before any evidence; +4 per recently accepted token
-HYBRID_MIN_MATCH = 5  # hybrid mode: an n-gram match this long is confident enough to use
+HYBRID_MIN_MATCH = 5  # hybrid mode: a copy backed by this many agreeing tokens is confident enough to use
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -51,15 +54,22 @@ def check_mode(mode: str, *, has_model: bool) -> None:
     if mode not in MODES:
         raise EdgespecError(f"unknown draft mode '{mode}'; use one of {', '.join(MODES)}")
     if mode in ("model", "hybrid") and not has_model:
-        raise EdgespecError(f"draft mode '{mode}' needs a draft model; give a pair or --draft, or use ngram")
+        raise EdgespecError(f"draft mode '{mode}' needs a draft model; give a pair or --draft, or use copy")
+
+
+def copy_key(source: str, evidence: int) -> str:
+    """Copies are tracked by how many tokens back their alignment (1-3, 4-15, 16-31, 32+):
+    a fresh short anchor fails far more often than a copy that has held for 30 tokens."""
+    return f"{source}{next(bucket for bucket, below in COPY_BUCKETS if evidence < below)}"
 
 
 def prior_alpha(key: str) -> float:
-    """Before any evidence: a draft model is usually right; an n-gram match is the
-    surer the longer it is (0.5 for 3 tokens, 0.87 for 16)."""
+    """Before any evidence: a draft model is usually right; a copy is the surer the
+    longer its alignment has held (0.57 for a fresh anchor, 0.84, 0.96, then ~1)."""
     if key == "model":
         return MODEL_PRIOR_ALPHA
-    return 1 - 0.5 * 0.9 ** (int(key.removeprefix("ngram")) - 3)
+    evidence = int(key.lstrip("abcdefghijklmnopqrstuvwxyz"))
+    return min(COPY_MAX_PRIOR, 1 - 0.5 * 0.85 ** (evidence - 1))
 
 
 @dataclass
@@ -93,10 +103,10 @@ class Acceptance:
 @dataclass
 class Plan:
     rate: float  # tokens per second it promises under this round's draw of α (what plans compete on)
-    source: str  # "off", "model" or "ngram"
+    source: str  # "off", "model", "copy" or "prediction"
     gamma: int
-    draft: Draft | None = None  # an n-gram draft is made while planning (it is free)
-    key: str = ""  # whose acceptance rate: "model", or "ngram<match length>"
+    draft: Draft | None = None  # a copy draft is made while planning (it is free)
+    key: str = ""  # whose acceptance rate: "model", or a copy_key()
     expected_rate: float | None = None  # under the posterior mean of α (default: rate)
 
     def __post_init__(self) -> None:
@@ -107,8 +117,8 @@ class Plan:
 class Controller:
     """Chooses, each round, what to draft (see the module docstring).
 
-    mode: auto (any drafter or none, per round), model, ngram, hybrid (n-gram when
-    it has a confident match, else the model), off. gamma: a fixed draft length,
+    mode: auto (any drafter or none, per round), model, copy, hybrid (a copy when
+    one is confident, else the model), off. gamma: a fixed draft length,
     or None to choose it. With a fixed mode and a fixed gamma every round drafts
     exactly as told; as soon as either is auto, a round may also draft nothing."""
 
@@ -119,23 +129,23 @@ class Controller:
         verify_cost: CostCurve | None,
         draft_step_cost: CostCurve | None,
         model: Drafter | None,
-        ngram: NgramDrafter,
+        copy: CopyDrafter,
     ) -> None:
         check_mode(mode, has_model=model is not None)
         self.mode, self.gamma = mode, gamma
         self.adaptive = mode == "auto" or gamma is None
         self.V, self.draft_step = verify_cost, draft_step_cost
-        available = {"model": model, "ngram": ngram}
+        available = {"model": model, "copy": copy}
         # the drafters this controller may plan for: only those the mode allows and that exist
         self.drafters = {s: available[s] for s in MODE_SOURCES[mode] if available[s] is not None}
-        self.acceptance: dict[str, Acceptance] = {}  # per "model" / "ngram<match length>"
+        self.acceptance: dict[str, Acceptance] = {}  # per "model" / copy_key()
         self.last: Plan = Plan(0.0, "off", 0)
         self._predicted = [0.0, 0.0]  # expected tokens and seconds of the plans chosen so far
         self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
 
     def prefill(self, context: list[int]) -> None:
-        if "ngram" in self.drafters:
-            self.drafters["ngram"].prefill(context)
+        if "copy" in self.drafters:
+            self.drafters["copy"].prefill(context)
         # in auto mode a draft model that cannot pay even at α = 1 is never run, so not prefilled
         if "model" in self.drafters and (self.mode != "auto" or self._model_can_pay()):
             self.drafters["model"].prefill(context)
@@ -156,40 +166,62 @@ class Controller:
         return self.acceptance[key]
 
     def cost(self, source: str, gamma: int) -> float:
-        """Expected seconds of a round: an n-gram lookup is free, a model draft is not."""
+        """Expected seconds of a round: a copy is free, a model draft is not."""
         return self.model_cost(gamma) if source == "model" else self.V(gamma + 1)
 
-    def _best(self, source: str, key: str, gammas) -> Plan:
-        """γ chosen under a posterior draw of α (Thompson sampling); expected_rate
-        is the same plan's rate under the posterior mean, for the stats."""
+    def _gammas(self, longest: int, cut_short: bool = False) -> list[int]:
+        """Draft lengths worth planning: those whose verify pass has a size the cost curve
+        knows (on a CPU, where V(k) has knees, the cheap sizes; without a curve, any), and
+        a draft that was cut short (a copy ending there is worth verifying in one pass)."""
+        if self.V is None:
+            return list(range(1, longest + 1))
+        return sorted({k - 1 for k in self.V.sizes(longest + 1) if k > 1} | ({longest} if cut_short else set()))
+
+    def _best(self, source: str, key: str, gammas, evidence: int = 0) -> Plan:
+        """γ that the posterior mean of α says is best; the plan then competes with the
+        others (and with no draft) at its rate under a posterior draw of α (Thompson
+        sampling), so a drafter with little evidence gets tried now and then."""
         acceptance = self._acceptance(key)
-        # slow start: a long draft on little evidence costs a lot when it fails at once,
-        # so γ may only grow with the tokens this drafter has had accepted lately
-        gammas = [g for g in gammas if g <= SLOW_START + 4 * acceptance.accepted] or [min(gammas)]
-        draw = acceptance.sample(self._rng)
-        rate, gamma = max((expected_tokens(draw, g) / self.cost(source, g), g) for g in gammas)
-        expected = expected_tokens(acceptance.alpha, gamma) / self.cost(source, gamma)
+        # slow start: a long draft on little evidence costs a lot when it fails at once, so γ
+        # may only grow with the tokens this drafter has had accepted lately (or, for a copy,
+        # with the tokens its alignment has held for)
+        gammas = [g for g in gammas if g <= SLOW_START + 4 * max(acceptance.accepted, evidence)] or [min(gammas)]
+        expected, gamma = max((expected_tokens(acceptance.alpha, g) / self.cost(source, g), g) for g in gammas)
+        if source != "model":  # a copy needs no exploring: its evidence grows for free while the target agrees
+            return Plan(expected, source, gamma, key=key)
+        rate = expected_tokens(acceptance.sample(self._rng), gamma) / self.cost(source, gamma)
         return Plan(rate, source, gamma, key=key, expected_rate=expected)
 
     def plan(self, context: list[int], room: int) -> Plan:
-        """The round's plan; an n-gram plan carries its draft already."""
+        """The round's plan; a copy plan carries its draft already."""
         if room <= 0 or self.mode == "off":
             return Plan(0.0, "off", 0)
         fixed = self.gamma
         candidates = [Plan(self.off_rate(), "off", 0)] if self.adaptive else []
-        confident_lookup = False
-        if ngram := self.drafters.get("ngram"):
-            lookup = ngram.draft(context, min(room, fixed or MAX_NGRAM_DRAFT))
-            confident_lookup = bool(lookup.tokens) and (self.mode != "hybrid" or ngram.last_match >= HYBRID_MIN_MATCH)
-            if confident_lookup:
-                gammas = [len(lookup.tokens)] if fixed else range(1, len(lookup.tokens) + 1)
-                key = f"ngram{ngram.last_match}"
-                plan = self._best("ngram", key, gammas) if self.adaptive else Plan(1.0, "ngram", gammas[0], key=key)
-                plan.draft = Draft(lookup.tokens[: plan.gamma], None, source="ngram")
+        confident_copy = False
+        if copy := self.drafters.get("copy"):
+            lookup = copy.draft(context, min(room, fixed or MAX_COPY_DRAFT))
+            # every token the target wrote while a copy was aligned says whether the copy was
+            # right: α per evidence level is learnt from all of them, drafted or not
+            for source, evidence, matched in copy.take_outcomes():
+                self._acceptance(copy_key(source, evidence)).observe(matched, 1)
+            confident_copy = bool(lookup.tokens) and (self.mode != "hybrid" or copy.evidence >= HYBRID_MIN_MATCH)
+            if confident_copy:
+                gammas = (
+                    [len(lookup.tokens)]
+                    if fixed
+                    else self._gammas(len(lookup.tokens), len(lookup.tokens) < MAX_COPY_DRAFT)
+                )
+                key = copy_key(lookup.source, copy.evidence)
+                if self.adaptive:
+                    plan = self._best(lookup.source, key, gammas, copy.evidence)
+                else:
+                    plan = Plan(1.0, lookup.source, gammas[0], key=key)
+                plan.draft = Draft(lookup.tokens[: plan.gamma], None, source=lookup.source)
                 candidates.append(plan)
         # hybrid: the model only where the lookup has no confident match
-        if "model" in self.drafters and not (self.mode == "hybrid" and confident_lookup):
-            gammas = [min(fixed, room)] if fixed else range(1, min(MAX_MODEL_GAMMA, room) + 1)
+        if "model" in self.drafters and not (self.mode == "hybrid" and confident_copy):
+            gammas = [min(fixed, room)] if fixed else self._gammas(min(MAX_MODEL_GAMMA, room), room < MAX_MODEL_GAMMA)
             plan = self._best("model", "model", gammas) if self.adaptive else Plan(1.0, "model", gammas[0], key="model")
             candidates.append(plan)
         return max(candidates, key=lambda p: p.rate) if candidates else Plan(0.0, "off", 0)
@@ -213,7 +245,7 @@ class Controller:
         """Learn from a finished round: acceptance and the real costs."""
         for acceptance in self.acceptance.values():
             acceptance.decay()
-        if draft.tokens:
+        if draft.tokens and draft.source not in COPY_SOURCES:  # copies learn from every token (plan())
             self._acceptance(self.last.key).observe(n_accepted, len(draft.tokens))
         if self.V is not None:
             self.V.observe(len(draft.tokens) + 1, verify_s)
@@ -224,9 +256,13 @@ class Controller:
                 self._predicted[0] += self.last.expected_rate * seconds
                 self._predicted[1] += seconds
 
-    def report(self, stats, draft: Draft) -> None:
+    def report(self, stats, draft: Draft, n_accepted: int) -> None:
         """Write what was chosen, and why, into the generation's Stats."""
-        stats.rounds_by_source[draft.source] = stats.rounds_by_source.get(draft.source, 0) + 1
+        source = draft.source
+        stats.rounds_by_source[source] = stats.rounds_by_source.get(source, 0) + 1
+        if draft.tokens:
+            stats.drafted_by_source[source] = stats.drafted_by_source.get(source, 0) + len(draft.tokens)
+            stats.accepted_by_source[source] = stats.accepted_by_source.get(source, 0) + n_accepted
         stats.alpha_by_source = {source: round(a.alpha, 3) for source, a in self.acceptance.items()}
         stats.last_source, stats.last_gamma = draft.source, len(draft.tokens)
         if self._predicted[1] > 0:

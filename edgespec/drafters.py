@@ -7,6 +7,7 @@ is the distribution each token was drawn from.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -82,42 +83,263 @@ class ModelDrafter:
         return Draft(tokens, None if q_rows is None else q_rows[: len(tokens)], source="model")
 
 
-class NgramDrafter:
-    """Prompt lookup: find the longest recent n-gram that ends the context and
-    also occurs earlier in it (prompt or output), and propose what followed it.
+CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
+SOURCE_NAMES = ("copy", "prediction")  # what a copy draft reports as its source, per source
+# re-anchoring after the target left the source: its last k tokens are looked for this far
+# (in source tokens) from where the pointer was lost; one token alone only very near
+LOCAL_REACH = ((3, 256), (2, 32), (1, 4))
+LOCAL_BACK = 8  # the target may also repeat a little of what it already wrote
+LOCAL_SPAN = 32  # past this many tokens since the loss, only a global n-gram match re-anchors
+MAX_RULE = (4, 8)  # longest learnt substitution: source tokens -> what the target wrote instead
+REANCHOR_KEEPS = 0.5  # of the evidence an alignment had, what it keeps when found again nearby
+MIN_LOST = 4  # an alignment that held for fewer tokens was a chance match: not worth finding again
+MIN_RENAME = 3  # shortest word whose renaming is carried over to the other tokens it appears in
 
-    Free to run and strong when the answer repeats its input (code edits,
-    refactors, quotes). Drafts are deterministic: point masses."""
 
-    def __init__(self, sizes: Sequence[int] = (16, 8, 5, 3), max_tokens: int = 64) -> None:
+class NgramIndex:
+    """Where each n-gram of a token list occurs (n in `sizes`), as the positions of the
+    token that follows it; filled incrementally as the list grows."""
+
+    def __init__(self, sizes: Sequence[int]) -> None:
         self.sizes = sorted(sizes, reverse=True)
+        self.tables: dict[int, dict[tuple, list[int]]] = {n: {} for n in self.sizes}
+        self.indexed = 0  # followers at positions < this are indexed
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index n-grams of `tokens` whose follower is known, i.e. not those ending at its last token."""
+        for follower in range(max(self.indexed, 1), len(tokens)):
+            for n in self.sizes:
+                if follower >= n:
+                    self.tables[n].setdefault(tuple(tokens[follower - n : follower]), []).append(follower)
+        self.indexed = max(self.indexed, len(tokens))
+
+    def clear(self) -> None:
+        for table in self.tables.values():
+            table.clear()
+        self.indexed = 0
+
+
+class CopyDrafter:
+    """Copies ahead from a source text, aligned to it the way a diff aligns two files.
+
+    Sources: the context (prompt and output so far) and, per request, a predicted output
+    (OpenAI's Predicted Outputs: text the answer will largely repeat). A pointer into a
+    source follows the target token by token; while they agree, drafts are what comes
+    next there (long, up to `max_tokens`). When the target writes something else, the
+    pointer is lost, and it re-anchors on the target's own next tokens near where it was,
+    so a skipped, inserted or replaced word costs a round or two instead of a fresh long
+    n-gram; failing that, on the longest n-gram match anywhere. What the target wrote in
+    place of a source span becomes a substitution applied to later drafts (the source
+    says `items`, the target wrote `records`: later drafts say `records`), dropped if the
+    target disagrees. Drafts are deterministic: point masses.
+
+    `evidence` (tokens agreed since the pointer was set) tells the controller how far to trust a draft."""
+
+    def __init__(self, vocab: Model | None = None, max_tokens: int = 64, sizes: Sequence[int] = (16, 8, 5, 3)) -> None:
+        """vocab: the target (its piece() and tokenize()), to carry renames over to other tokens."""
+        self.vocab = vocab
         self.max_tokens = max_tokens
-        self._seen: list[int] = []  # the context indexed so far
-        self._index: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}  # n-gram -> where its follower is
-        self.last_match = 0  # length of the n-gram behind the last draft (0: none)
+        self.sources: tuple[list[int], list[int]] = ([], [])  # the context followed so far, the prediction
+        self.indexes = (NgramIndex(sizes), NgramIndex(sizes))
+        self.rules: dict[int, list[tuple[tuple, tuple]]] = {}  # first source token -> (source span, replacement)
+        self._outcomes: list[tuple[str, int, bool]] = []
+        self._reset_alignment()
+
+    def _reset_alignment(self) -> None:
+        self.ptr: tuple[int, int] | None = None  # (source, position of the next raw source token)
+        self.pending: list[int] = []  # a substitution's tokens still expected before source[ptr]
+        self.rule_at: tuple[int, tuple, tuple] | None = None  # (raw position, span, replacement) being followed
+        self.gap: tuple[int, int, int] | None = None  # (source, position, context length) where the pointer was lost
+        self.lost_evidence = 0  # how long the alignment had held when it was lost
+        self.evidence = 0
+        self.prediction_pos = 0  # how far into the prediction the target has followed
+
+    # --- the Drafter protocol ---------------------------------------------------
+    def set_prediction(self, tokens: Sequence[int] | None) -> None:
+        """The predicted output of the next request (None: none); takes effect at prefill."""
+        self.sources[PREDICTION][:] = tokens or []
+        self.indexes[PREDICTION].clear()
+        self.indexes[PREDICTION].extend(self.sources[PREDICTION])
 
     def prefill(self, context: list[int]) -> None:
-        self._update(context)
+        """A new request: the answer starts at the beginning of the prediction, if any."""
+        self._follow(context)
+        self._reset_alignment()
+        self.rules.clear()
+        self._outcomes.clear()
+        if self.sources[PREDICTION]:  # the client says the answer will largely repeat it
+            self.ptr = (PREDICTION, 0)
 
     def draft(self, context, n, params=None, rng=None, stop_below=()) -> Draft:
-        self._update(context)
-        for size in self.sizes:
-            if len(context) > size and (start := self._index[size].get(tuple(context[-size:]))) is not None:
-                self.last_match = size
-                return Draft(context[start : start + min(n, self.max_tokens)], None, source="ngram")
-        self.last_match = 0
-        return Draft([], None, source="ngram")
+        self._follow(context)
+        if self.ptr is None:
+            self._anchor()
+        if self.ptr is None:
+            return Draft([], None, source=SOURCE_NAMES[CONTEXT])
+        return Draft(self._expected(min(n, self.max_tokens)), None, source=SOURCE_NAMES[self.ptr[0]])
 
-    def _update(self, context: list[int]) -> None:
-        """Index the n-grams of `context` not indexed yet, except those ending at its
-        last token: they have no follower yet."""
-        seen = self._seen
-        if len(context) <= len(seen) or context[: len(seen)] != seen:  # a different conversation
+    # --- following the target ---------------------------------------------------
+    def _follow(self, context: list[int]) -> None:
+        """Take in the tokens the context gained since the last call, moving the pointer along."""
+        seen = self.sources[CONTEXT]
+        if len(context) < len(seen) or context[: len(seen)] != seen:  # a different conversation
             seen.clear()
-            for table in self._index.values():
-                table.clear()
-        for end in range(len(seen), len(context) - 1):  # n-grams ending at `end`; later ones win
-            for size in self.sizes:
-                if end + 1 >= size:
-                    self._index[size][tuple(context[end + 1 - size : end + 1])] = end + 1
-        seen.extend(context[len(seen) : len(context) - 1])
+            self.indexes[CONTEXT].clear()
+            self._reset_alignment()
+        for token in context[len(seen) :]:
+            seen.append(token)
+            if self.ptr is not None:
+                self._step(token)
+        self.indexes[CONTEXT].extend(seen)
+
+    def take_outcomes(self) -> list[tuple[str, int, bool]]:
+        """(source, evidence, whether the target wrote what the copy expected) for each
+        token followed since the last call: the copy's acceptance rate, measured free."""
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    def _step(self, token: int) -> None:
+        expected = self._peek()
+        self._outcomes.append((SOURCE_NAMES[self.ptr[0]], self.evidence, expected == token))
+        if expected == token:
+            if self.pending:
+                self.pending.pop(0)
+            else:
+                self.ptr = (self.ptr[0], self.ptr[1] + 1)
+            self.evidence += 1
+            if self.ptr[0] == PREDICTION:
+                self.prediction_pos = max(self.prediction_pos, self.ptr[1])
+            return
+        source, i = self.ptr
+        if self.pending and len(self.pending) == len(self.rule_at[2]):  # a substitution, not begun
+            start, span, _ = self.rule_at
+            if self.sources[source][start] == token:  # the substitution was wrong here: forget it, copy as is
+                self._forget(span)
+                self.ptr, self.pending = (source, start + 1), []
+                self.evidence += 1
+                return
+        lost_at = self.rule_at[0] if self.pending else i
+        self.gap = (source, lost_at, len(self.sources[CONTEXT]) - 1)
+        # the client said the answer repeats the prediction: once lost there, always look nearby
+        self.lost_evidence = max(self.evidence, MIN_LOST if source == PREDICTION else 0)
+        self.ptr, self.pending, self.rule_at, self.evidence = None, [], None, 0
+
+    def _peek(self) -> int | None:
+        """The next token the source (with substitutions) expects; starts a substitution if one applies."""
+        if self.pending:
+            return self.pending[0]
+        source, i = self.ptr
+        tokens = self.sources[source]
+        while i < len(tokens) and (rule := self._match_rule(tokens, i)):
+            span, replacement = rule
+            self.rule_at, i = (i, span, replacement), i + len(span)
+            self.ptr = (source, i)
+            if replacement:
+                self.pending = list(replacement)
+                return self.pending[0]
+        return tokens[i] if i < len(tokens) else None
+
+    def _expected(self, n: int) -> list[int]:
+        """Up to n tokens the source expects next, substitutions applied."""
+        out = self.pending[:n]
+        source, i = self.ptr
+        tokens = self.sources[source]
+        while len(out) < n and i < len(tokens):
+            if rule := self._match_rule(tokens, i):
+                out.extend(rule[1])
+                i += len(rule[0])
+            else:
+                out.append(tokens[i])
+                i += 1
+        return out[:n]
+
+    # --- substitutions ----------------------------------------------------------
+    def _match_rule(self, tokens: list[int], i: int) -> tuple[tuple, tuple] | None:
+        for span, replacement in self.rules.get(tokens[i], ()):
+            if tuple(tokens[i : i + len(span)]) == span:
+                return span, replacement
+        return None
+
+    def _learn(self, span: list[int], replacement: list[int]) -> None:
+        if not (0 < len(span) <= MAX_RULE[0] and len(replacement) <= MAX_RULE[1] and span != replacement):
+            return
+        self._add_rule(tuple(span), tuple(replacement))
+        if self.vocab is not None:
+            self._generalise(span, replacement)
+
+    def _add_rule(self, span: tuple, replacement: tuple) -> None:
+        self._forget(span)
+        rules = self.rules.setdefault(span[0], [])
+        rules.append((span, replacement))
+        rules.sort(key=lambda r: -len(r[0]))  # the longest span wins
+
+    def _generalise(self, span: list[int], replacement: list[int]) -> None:
+        """A renamed word is renamed in every token it appears in: ` items` -> ` records` also
+        gives `_items` -> `_records`, ` item` -> ` record` and `Item` -> `Record` for the
+        tokens of the sources (what is left of the two texts without their common ends)."""
+        old, new = (b"".join(map(self.vocab.piece, t)).decode("utf-8", "replace") for t in (span, replacement))
+        prefix = len(os.path.commonprefix([old, new]))
+        old, new = old[prefix:], new[prefix:]
+        suffix = len(os.path.commonprefix([old[::-1], new[::-1]]))
+        old, new = old[: len(old) - suffix], new[: len(new) - suffix]
+        if len(old) < MIN_RENAME or not old.isidentifier() or not new.isidentifier():
+            return
+        variants = {old: new, old.lower(): new.lower(), old.capitalize(): new.capitalize(), old.upper(): new.upper()}
+        for token in set(self.sources[CONTEXT]) | set(self.sources[PREDICTION]):
+            text = self.vocab.piece(token).decode("utf-8", "replace")
+            renamed = text
+            for a, b in variants.items():
+                renamed = renamed.replace(a, b)
+            if renamed != text and (token,) != tuple(span):
+                self._add_rule((token,), tuple(self.vocab.tokenize(renamed, add_special=False)))
+
+    def _forget(self, span: tuple) -> None:
+        rules = [r for r in self.rules.get(span[0], []) if r[0] != span]
+        self.rules[span[0]] = rules
+
+    # --- anchoring ----------------------------------------------------------------
+    def _anchor(self) -> None:
+        """Point into a source again: near where the pointer was lost, else anywhere."""
+        context = self.sources[CONTEXT]
+        gap = self.gap
+        if gap and self.lost_evidence >= MIN_LOST and len(context) - gap[2] <= LOCAL_SPAN:
+            if self._anchor_near(*gap) or gap[0] == PREDICTION:
+                return  # lost in the prediction, the answer is expected back there soon: wait for it
+        self._anchor_anywhere()
+
+    def _anchor_near(self, source: int, lost_at: int, lost_len: int) -> bool:
+        context, tokens = self.sources[CONTEXT], self.sources[source]
+        for k, reach in LOCAL_REACH:
+            if k > len(context):
+                continue
+            suffix = context[-k:]
+            # positions q just past a copy of the suffix, nearest to the loss first (forward on ties)
+            # (in the context itself, only before the loss: after it is the target's own new text)
+            end = lost_len if source == CONTEXT else len(tokens) - 1
+            lo, hi = max(k, lost_at - LOCAL_BACK + k), min(end, lost_at + reach + k)
+            for q in sorted(range(lo, hi + 1), key=lambda q: (abs(q - k - lost_at), q < lost_at + k)):
+                if tokens[q - k : q] == suffix:
+                    # what the target wrote between the loss and this anchor replaced that source span
+                    self._learn(tokens[lost_at : q - k], context[lost_len : len(context) - k])
+                    # a long alignment found again just past a small edit still counts (all of
+                    # it in a prediction: the client said the answer repeats it)
+                    keeps = 1.0 if source == PREDICTION else REANCHOR_KEEPS
+                    self.ptr, self.evidence = (source, q), max(k, int(self.lost_evidence * keeps))
+                    return True
+        return False
+
+    def _anchor_anywhere(self) -> None:
+        """The longest n-gram ending the context that occurs in a source: the prediction's
+        next occurrence past where it was followed to, else the context's latest."""
+        context = self.sources[CONTEXT]
+        for n in self.indexes[CONTEXT].sizes:
+            if n >= len(context):
+                continue
+            key = tuple(context[-n:])
+            if found := self.indexes[PREDICTION].tables[n].get(key):
+                q = next((q for q in found if q >= self.prediction_pos), found[-1])
+                self.ptr, self.evidence = (PREDICTION, q), n
+                return
+            if found := self.indexes[CONTEXT].tables[n].get(key):
+                self.ptr, self.evidence = (CONTEXT, found[-1]), n
+                return

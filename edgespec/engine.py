@@ -11,7 +11,7 @@ import numpy as np
 from . import calibration
 from .chat import Message, render
 from .controller import Controller, check_mode, expected_tokens
-from .drafters import Drafter, NgramDrafter
+from .drafters import CopyDrafter, Drafter
 from .errors import EdgespecError
 from .model import ContextFull, Model
 from .sampling import SamplingParams, distribution, verify, verify_greedy
@@ -38,7 +38,7 @@ class Stats:
 
     mode: str  # "speculative" or "target-only"
     gamma: int | str  # the requested draft length, or "auto"
-    draft_mode: str = "off"  # requested: auto, model, ngram, hybrid or off
+    draft_mode: str = "off"  # requested: auto, model, copy, hybrid or off
     n_prompt: int = 0  # prompt tokens
     n_prompt_cached: int = 0  # of those, reused from the KV cache of the previous request
     rounds: int = 0  # target forward passes after prefill
@@ -50,14 +50,28 @@ class Stats:
     draft_s: float = 0.0  # of decode_s: making drafts
     verify_s: float = 0.0  # of decode_s: the target's batched forward + accept/resample
     finish_reason: str | None = None  # stop | stop_string | length | context
-    # what the controller chose: rounds per source ("model", "ngram", "off"), its α per drafter,
-    # its last choice, and the speedup over the target alone that its cost model predicted
+    # what the controller chose: rounds per source ("model", "copy", "prediction", "off"), draft
+    # tokens proposed and accepted per source, its α per drafter, its last choice, and the
+    # speedup over the target alone that its cost model predicted
     rounds_by_source: dict[str, int] = field(default_factory=dict)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
     alpha_by_source: dict[str, float] = field(default_factory=dict)
     last_source: str = "off"
     last_gamma: int = 0
     predicted_speedup: float = 1.0
     baseline_tokens_per_s: float = 0.0  # 1 / V(1) from calibration (0 if not calibrated)
+    flash_attn: bool = False  # whether the target runs with flash attention
+
+    @property
+    def accepted_prediction_tokens(self) -> int:
+        """Tokens drafted from the prediction that the target kept (as OpenAI's usage reports them)."""
+        return self.accepted_by_source.get("prediction", 0)
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        """Tokens drafted from the prediction that the target verified and rejected."""
+        return self.drafted_by_source.get("prediction", 0) - self.accepted_prediction_tokens
 
     @property
     def acceptance_rate(self) -> float:
@@ -92,7 +106,15 @@ class Stats:
         return max(self.decode_s - self.draft_s - self.verify_s, 0.0)
 
     def as_dict(self) -> dict:
-        derived = ("acceptance_rate", "tokens_per_round", "tokens_per_s", "other_s", "measured_speedup")
+        derived = (
+            "acceptance_rate",
+            "tokens_per_round",
+            "tokens_per_s",
+            "other_s",
+            "measured_speedup",
+            "accepted_prediction_tokens",
+            "rejected_prediction_tokens",
+        )
         return asdict(self) | {name: getattr(self, name) for name in derived}
 
     def summary(self) -> str:
@@ -108,6 +130,12 @@ class Stats:
                     f", rounds: {chosen}; speedup predicted {self.predicted_speedup:.2f}x,"
                     f" measured {self.measured_speedup:.2f}x"
                 )
+            if self.drafted_by_source.get("prediction"):
+                line += (
+                    f", prediction tokens accepted {self.accepted_prediction_tokens},"
+                    f" rejected {self.rejected_prediction_tokens}"
+                )
+        line += f", flash attention {'on' if self.flash_attn else 'off'}"
         split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s, other {self.other_s:.2f}s"
         return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"
 
@@ -151,13 +179,14 @@ class Engine:
         owned: Sequence[Model] | None = None,
     ) -> None:
         """target: the model whose output distribution is produced. drafter: the draft
-        model's drafter (or any object with prefill/draft); an n-gram drafter is always
-        there. gamma None and draft_mode "auto" let the controller choose per round.
+        model's drafter (or any object with prefill/draft); the copy drafter (prompt
+        lookup, predicted outputs) is always there. gamma None and draft_mode "auto"
+        let the controller choose per round.
         owned: the models close() frees (default: the target)."""
         check_mode(draft_mode, has_model=drafter is not None)
         self.target = target
         self.drafter = drafter
-        self.ngram = NgramDrafter()
+        self.copy = CopyDrafter(vocab=target)
         self.gamma = gamma
         self.draft_mode = draft_mode
         self._owned = [target] if owned is None else list(owned)
@@ -180,6 +209,7 @@ class Engine:
         speculative: bool = True,
         stop: Sequence[str] = (),
         raw: bool = False,
+        prediction: str | None = None,
         temperature: float = 0.8,
         top_k: int = 40,
         top_p: float = 0.95,
@@ -191,8 +221,10 @@ class Engine:
         prompt: a user message (str) or a list of {"role", "content"} messages,
         rendered with the model's chat template; with raw=True a str is sent as
         plain completion text (special-token markup such as <|im_start|> parsed).
-        gamma: draft tokens per round, or "auto"; draft_mode: auto, model, ngram,
-        hybrid or off (defaults: the engine's). speculative=False runs the target
+        gamma: draft tokens per round, or "auto"; draft_mode: auto, model, copy,
+        hybrid or off (defaults: the engine's). prediction: text the answer will
+        largely repeat (OpenAI's Predicted Outputs, e.g. the file being edited):
+        drafts are copied from it; the output is the same with or without it. speculative=False runs the target
         alone, the baseline. The last event has token None, the remaining text
         and the final stats."""
         gamma = self.gamma if gamma is None else gamma
@@ -207,6 +239,7 @@ class Engine:
                 "shorten the prompt or raise --ctx"
             )
         controller = self._controller(mode, gamma)
+        self.copy.set_prediction(self.target.tokenize(prediction, add_special=False) if prediction else None)
         return self._generate(tokens, controller, params, max_tokens, stop)
 
     def generate(self, prompt: Prompt, **kwargs) -> Generation:
@@ -246,14 +279,11 @@ class Engine:
     def _controller(self, mode: str, gamma: int | None) -> Controller:
         adaptive = mode != "off" and (mode == "auto" or gamma is None)
         draft_model = getattr(self.drafter, "model", None)
-        return Controller(
-            mode,
-            gamma,
-            self.cost_curve(self.target) if adaptive else None,
-            self.cost_curve(draft_model, calibration.DRAFT_SIZES) if adaptive and draft_model else None,
-            self.drafter,
-            self.ngram,
-        )
+        verify_cost = self.cost_curve(self.target) if adaptive else None
+        draft_cost = self.cost_curve(draft_model, calibration.DRAFT_SIZES) if adaptive and draft_model else None
+        if adaptive:  # costs measured long ago (maybe on a busy machine) are measured again
+            calibration.recheck([(model, curve) for (model, _), curve in self._costs.items()])
+        return Controller(mode, gamma, verify_cost, draft_cost, self.drafter, self.copy)
 
     def close(self) -> None:
         """Keep what real rounds taught about costs, then free llama.cpp's memory."""
@@ -277,6 +307,7 @@ class Engine:
             gamma="auto" if controller.gamma is None else controller.gamma,
             draft_mode=controller.mode,
             n_prompt=len(prompt),
+            flash_attn=target.flash_attn,
         )
         if controller.V is not None:
             stats.baseline_tokens_per_s = controller.off_rate()
@@ -356,5 +387,5 @@ def speculative_decode(
         stats.accepted += n
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
-        controller.report(stats, draft)
+        controller.report(stats, draft, n)
         yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]

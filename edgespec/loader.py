@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .calibration import choose_flash_attn
 from .controller import check_mode
 from .drafters import ModelDrafter
 from .engine import Engine, check_gamma
@@ -84,8 +85,9 @@ def load(
     pair: a pair name from models.toml (default: its default_pair) — or give
     target (and draft) as registry names or .gguf paths; without a draft model
     only the free n-gram drafter is there. gamma (an int, or "auto") and
-    draft_mode (auto, model, ngram, hybrid, off) are the engine's defaults;
+    draft_mode (auto, model, copy, hybrid, off) are the engine's defaults;
     auto measures this machine's costs at first use and chooses per round.
+    Flash attention is on or off, whichever this machine runs faster (measured once).
     n_gpu_layers offloads layers on Metal/CUDA builds.
     Raises EdgespecError with a one-sentence reason for bad input."""
     if gamma is not None and gamma != "auto":
@@ -111,6 +113,8 @@ def load(
             if problem := compatibility_problem(models[0], models[1]):
                 raise EdgespecError(problem)
             drafter = ModelDrafter(models[1], target_vocab=models[0].n_vocab)
+        for model in models:  # measured once per machine; the same for every run, so outputs agree
+            choose_flash_attn(model)
     except BaseException:
         for model in models:
             model.close()

@@ -50,7 +50,10 @@ class Model:
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
         n_batch: int = 512,
+        flash_attn: bool = False,
     ) -> None:
+        """flash_attn: llama.cpp's flash attention, faster on some machines and slower on
+        others (the loader chooses it by measurement, see calibration.py)."""
         self.path = check_gguf(path)
         self._model = self._ctx = self._batch = None
         model_params = llama_cpp.llama_model_default_params()
@@ -60,28 +63,40 @@ class Model:
             raise EdgespecError(
                 f"llama.cpp could not load {self.path} (truncated or corrupt GGUF); delete it and fetch it again"
             )
-        threads = n_threads or os.cpu_count() or 1
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.n_threads = n_threads or os.cpu_count() or 1
+        self.n_gpu_layers = n_gpu_layers
+        self.tokens: list[int] = []
+        self._make_context(n_ctx, n_batch, flash_attn)
+
+    def _make_context(self, n_ctx: int, n_batch: int, flash_attn: bool) -> None:
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = n_ctx
         ctx_params.n_batch = ctx_params.n_ubatch = n_batch
         ctx_params.n_seq_max = 1
-        ctx_params.n_threads = ctx_params.n_threads_batch = threads
+        ctx_params.n_threads = ctx_params.n_threads_batch = self.n_threads
         ctx_params.no_perf = True
-        if n_gpu_layers == 0:  # on CPU, flash attention makes single-token decoding ~2% slower (measured)
-            ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        ctx_params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             self.close()
             raise EdgespecError(f"llama.cpp could not create a {n_ctx}-token context for {self.path}; lower --ctx")
-        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
         self.n_batch = llama_cpp.llama_n_batch(self._ctx)  # llama.cpp caps it at n_ctx
-        self.n_threads = threads
-        self.n_gpu_layers = n_gpu_layers
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.flash_attn = flash_attn
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self.tokens: list[int] = []
+        self.tokens.clear()
+
+    def set_flash_attn(self, flash_attn: bool) -> None:
+        """Recreate the context with flash attention on or off (the cache starts empty)."""
+        if flash_attn != self.flash_attn:
+            n_ctx, n_batch = self.n_ctx, self.n_batch
+            self._free_context()
+            self._make_context(n_ctx, n_batch, flash_attn)
 
     # --- vocabulary -------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -182,13 +197,16 @@ class Model:
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
 
     # --- lifetime ---------------------------------------------------------
-    def close(self) -> None:
+    def _free_context(self) -> None:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
         if self._ctx:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
+
+    def close(self) -> None:
+        self._free_context()
         if self._model:
             llama_cpp.llama_model_free(self._model)
             self._model = None

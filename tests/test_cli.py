@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 
@@ -142,3 +143,22 @@ def test_sha_mismatch_of_cached_file(capsys, bad_sha_registry, smollm2_path):
     shutil.copy(smollm2_path, bad_sha_registry / "models" / "badsha.gguf")
     code, _, err = run(capsys, "generate", "hi", "--target", "badsha", "--offline")
     assert_one_line_error(code, err.splitlines()[-1] + "\n", "sha256")
+
+
+def test_generate_with_a_prediction_file_and_stdin(capsys, monkeypatch, tmp_path):
+    argv = ["generate", "Repeat exactly: the quick brown fox", *SMALL, "--temperature", "0", "--max-tokens", "12"]
+    code, out, _ = run(capsys, *argv, "--json")
+    answer = json.loads(out)["text"]
+    prediction = tmp_path / "prediction.txt"
+    prediction.write_text(answer)
+    code, out, _ = run(capsys, *argv, "--json", "--prediction", str(prediction))
+    stats = json.loads(out)["stats"]
+    assert code == 0 and stats["accepted_prediction_tokens"] > 0 and "rejected_prediction_tokens" in stats
+    monkeypatch.setattr("sys.stdin", io.StringIO(answer))
+    code, out, err = run(capsys, *argv, "--prediction", "-")
+    assert code == 0 and "prediction tokens accepted" in err
+
+
+def test_unreadable_prediction_file(capsys, tmp_path):
+    missing = tmp_path / "nope.txt"
+    assert_one_line_error(*run(capsys, "generate", "hi", *SMALL, "--prediction", str(missing))[::2], "prediction file")

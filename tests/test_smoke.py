@@ -99,10 +99,12 @@ def test_bench_small(capsys, sources, source):
     assert code == 0, err
     report = json.loads(out)
     modes = set(report["prompts"][0]["modes"])
-    assert modes == ({"none", "ngram", "auto"} | ({"model", "hybrid"} if source == "pair" else set()))
+    assert modes == ({"none", "copy", "auto"} | ({"model", "hybrid"} if source == "pair" else set()))
     code, out, err = run(capsys, "bench", *sources[source], "--max-tokens", "3", "--repeats", "2", "--llama-baseline")
     assert code == 0, err
-    assert "code-edit  llama" in out and "V(k) in target steps" in out
+    rows = [line.split()[:2] for line in out.splitlines()]
+    assert ["code-edit-pred", "llama"] in rows and ["code-edit-pred", "ceiling"] in rows
+    assert "V(k) in target steps" in out
 
 
 def test_bench_bad_repeats(capsys):
@@ -164,11 +166,11 @@ def check(generation: edgespec.Generation, max_tokens: int) -> None:
     [
         {},
         {"target": "smollm2-135m"},
-        {"target": "smollm2-135m", "draft_mode": "ngram", "gamma": 4},
+        {"target": "smollm2-135m", "draft_mode": "copy", "gamma": 4},
         {"target": "smollm2-135m", "draft": "smollm2-135m", "draft_mode": "hybrid"},
         {"gamma": "auto", "draft_mode": "off"},
     ],
-    ids=["pair", "target-alone", "target-ngram", "target-draft-hybrid", "off"],
+    ids=["pair", "target-alone", "target-copy", "target-draft-hybrid", "off"],
 )
 def test_load_variants_stream_generate_chat(kwargs):
     pair = "smollm2-self" if "target" not in kwargs else None
@@ -186,7 +188,7 @@ def test_load_refuses_a_model_mode_without_a_draft_model():
         edgespec.load(target="smollm2-135m", draft_mode="model")
 
 
-@pytest.mark.parametrize("draft_mode", ["auto", "model", "hybrid", "ngram"])
+@pytest.mark.parametrize("draft_mode", ["auto", "model", "hybrid", "copy"])
 @pytest.mark.parametrize("gamma", [None, 3])
 def test_engine_with_a_custom_drafter(smollm2, draft_mode, gamma):
     engine = Engine(smollm2, RepeatLastDrafter(), gamma=gamma, draft_mode=draft_mode, owned=[])
@@ -200,7 +202,7 @@ def test_engine_without_a_drafter(smollm2):
     engine = Engine(smollm2, owned=[])
     result = engine.generate(PROMPT, max_tokens=8, temperature=0)
     check(result, 8)
-    assert set(result.stats.rounds_by_source) <= {"off", "ngram"}
+    assert set(result.stats.rounds_by_source) <= {"off", "copy"}
     with pytest.raises(edgespec.EdgespecError, match="needs a draft model"):
         Engine(smollm2, draft_mode="model")
 

@@ -19,7 +19,7 @@ import edgespec
 
 from .widgets import AssistantMessage, PairPicker, StatsPanel, UserMessage
 
-DRAFT_MODES = ("auto", "model", "ngram", "hybrid")
+DRAFT_MODES = ("auto", "model", "copy", "hybrid")
 GAMMAS = ("auto", 1, 2, 3, 4, 6, 8, 16)
 REFRESH_S = 0.25  # redraw at most this often: drawing shares the CPU with llama.cpp
 
@@ -208,7 +208,7 @@ class ChatApp(App):
 
     def action_cycle_mode(self) -> None:
         has_model = self.engine is not None and self.engine.drafter is not None
-        modes = DRAFT_MODES if has_model else ("auto", "ngram")
+        modes = DRAFT_MODES if has_model else ("auto", "copy")
         self.draft_mode = modes[(modes.index(self.draft_mode) + 1) % len(modes)] if self.draft_mode in modes else "auto"
         self.notify(f"Draft mode: {self.draft_mode}")
 

@@ -1,0 +1,196 @@
+"""The copy drafter (prompt lookup, edits, predicted outputs): alignment on token lists,
+renames on a real tokenizer, and exactness through the engine on real SmolLM2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_greedy_match
+from scipy import stats as scipy_stats
+
+from edgespec import Engine, SamplingParams
+from edgespec.drafters import CopyDrafter
+from edgespec.sampling import distribution
+
+# --- alignment on token lists ---------------------------------------------------
+
+
+def test_anchors_on_the_longest_match_and_follows_the_target():
+    drafter = CopyDrafter(sizes=(4, 2))
+    context = [1, 2, 3, 4, 5, 6, 9, 3, 4, 7, 8, 1, 2, 3, 4]
+    draft = drafter.draft(context, 10)
+    assert draft.tokens == [5, 6, 9, 3, 4, 7, 8, 1, 2, 3] and draft.q is None  # the 4-gram wins over "3 4 -> 7"
+    assert draft.source == "copy" and drafter.evidence == 4
+    # the target took two of them: the pointer moves along, no new lookup
+    assert drafter.draft(context + [5, 6], 3).tokens == [9, 3, 4] and drafter.evidence == 6
+
+
+def test_never_matches_the_context_suffix_itself_and_starts_over_on_a_new_context():
+    drafter = CopyDrafter(sizes=(3,))
+    assert drafter.draft([1, 2, 3], 5).tokens == []
+    assert drafter.draft([1, 2, 3, 9, 1, 2, 3], 5).tokens == [9, 1, 2, 3]
+    assert drafter.draft([7, 7, 7, 8, 1, 2, 3], 5).tokens == []  # the old conversation's n-grams are gone
+    assert drafter.draft([7, 7, 7, 8, 1, 2, 3, 7, 7, 7], 5).tokens == [8, 1, 2, 3, 7]
+
+
+SOURCE = [10, 11, 12, 13, 14, 15, 16, 7, 17, 18, 19, 20, 7, 21, 22]  # token 7 is an identifier, used twice
+PROMPT = SOURCE + [99]
+
+
+def test_reanchors_next_to_an_edit_and_carries_the_substitution_forward():
+    drafter = CopyDrafter(sizes=(3,))
+    context = PROMPT + [10, 11, 12]
+    drafter.prefill(context)
+    assert drafter.draft(context, 12).tokens == SOURCE[3:]
+    context += [13, 14, 15, 16, 50]  # the target renamed 7 to 50: the pointer is lost
+    assert drafter.draft(context, 64).tokens == []  # nothing near matches 50
+    context += [17]  # the target is back on the source, one token after the edit
+    draft = drafter.draft(context, 64)
+    assert draft.tokens[:7] == [18, 19, 20, 50, 21, 22, 99]  # the rename, learnt, is applied further on
+
+
+def test_a_substitution_the_target_disagrees_with_is_forgotten():
+    drafter = CopyDrafter(sizes=(3,))
+    context = PROMPT + [10, 11, 12]
+    drafter.prefill(context)
+    drafter.draft(context, 64)
+    context += [13, 14, 15, 16, 50, 17]
+    drafter.draft(context, 64)
+    context += [18, 19, 20, 7]  # this time the target kept 7
+    assert drafter.draft(context, 3).tokens == [21, 22, 99] and drafter.ptr is not None
+    drafter.prefill(PROMPT + [10, 11, 12])  # a new request starts clean
+    assert drafter.draft(PROMPT + [10, 11, 12], 12).tokens == SOURCE[3:]
+
+
+def test_a_prediction_is_drafted_from_its_start_and_found_again_after_a_preamble():
+    drafter = CopyDrafter(sizes=(3,))
+    prediction = [30, 31, 32, 33, 34, 35, 36, 37]
+    drafter.set_prediction(prediction)
+    context = [1, 2, 3]
+    drafter.prefill(context)
+    draft = drafter.draft(context, 4)
+    assert (draft.tokens, draft.source) == ([30, 31, 32, 33], "prediction")
+    context += [5, 6, 30]  # a short preamble, then the prediction's first token
+    draft = drafter.draft(context, 64)
+    assert (draft.tokens, draft.source) == (prediction[1:], "prediction")
+    drafter.set_prediction(None)
+    drafter.prefill([1, 2, 3])
+    assert drafter.draft([1, 2, 3], 4).tokens == []
+
+
+# --- renames on a real tokenizer ---------------------------------------------------
+
+MODULE = """def load_items(rows):
+    items = []
+    for row in rows:
+        items.append(row.strip())
+    return items
+
+
+def count_items(items):
+    total = 0
+    for item in items:
+        total += item.count
+    return total
+"""
+
+
+def replay_rounds(drafter: CopyDrafter, prompt: list[int], output: list[int]) -> list[tuple[int, int]]:
+    """Greedy rounds against a known output: (drafted, accepted) per round."""
+    context, rounds = list(prompt), []
+    drafter.prefill(context)
+    while len(context) < len(prompt) + len(output):
+        done = len(context) - len(prompt)
+        draft = drafter.draft(context, 64).tokens
+        truth, accepted = output[done:], 0
+        while accepted < min(len(draft), len(truth)) and draft[accepted] == truth[accepted]:
+            accepted += 1
+        rounds.append((len(draft), accepted))
+        context += output[done : done + accepted + 1]
+    return rounds
+
+
+def test_a_rename_is_carried_over_to_every_token_it_appears_in(smollm2):
+    prompt = smollm2.tokenize(f"Rename items to records:\n{MODULE}", add_special=False)
+    output = smollm2.tokenize(MODULE.replace("item", "record"), add_special=False)
+    with_vocab = replay_rounds(CopyDrafter(vocab=smollm2), prompt, output)
+    without = replay_rounds(CopyDrafter(), prompt, output)
+    # the first edit is learnt, then ` items`, `_items` and ` item` are all drafted renamed
+    assert len(with_vocab) < len(without)
+    assert sum(a for _, a in with_vocab) >= 0.8 * len(output)
+
+
+# --- through the engine, on real SmolLM2 ---------------------------------------------
+
+EDIT = "Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape."
+
+
+def test_copy_greedy_equals_no_draft(smollm2):
+    engine = Engine(smollm2, None, gamma=8, draft_mode="copy")
+    baseline = engine.generate(EDIT, speculative=False, temperature=0, max_tokens=60)
+    spec = engine.generate(EDIT, temperature=0, max_tokens=60)
+    assert spec.stats.rounds_by_source.get("copy", 0) > 0 and spec.stats.accepted > 0
+    assert_greedy_match("copy", smollm2, engine.prompt_tokens(EDIT), baseline.tokens, spec.tokens)
+
+
+@pytest.mark.parametrize("mode", ["auto", "copy"])
+def test_a_prediction_changes_the_speed_not_the_answer(smollm2, mode):
+    engine = Engine(smollm2, None, draft_mode=mode)
+    prompt = "Write a short poem about the sea."
+    baseline = engine.generate(prompt, speculative=False, temperature=0, max_tokens=48)
+    good = engine.generate(prompt, temperature=0, max_tokens=48, prediction=baseline.text)
+    tokens = engine.prompt_tokens(prompt)
+    assert_greedy_match(f"prediction/{mode}", smollm2, tokens, baseline.tokens, good.tokens)
+    stats = good.stats
+    assert stats.accepted_prediction_tokens > 12 and stats.rounds < 0.75 * stats.n_tokens
+    assert stats.rounds_by_source.get("prediction", 0) > 0
+    assert stats.as_dict()["accepted_prediction_tokens"] == stats.accepted_prediction_tokens
+    useless = engine.generate(prompt, temperature=0, max_tokens=48, prediction="Quarterly revenue rose 4%." * 20)
+    assert useless.stats.accepted_prediction_tokens == 0
+    assert_greedy_match(f"useless prediction/{mode}", smollm2, tokens, baseline.tokens, useless.tokens)
+
+
+def target_probabilities(engine: Engine, tokens: list[int], params: SamplingParams, width: int) -> np.ndarray:
+    """p for the next token after `tokens`, from a batch shaped like a verify batch."""
+    target = engine.target
+    target.eval(tokens[target.sync(tokens) : -1])
+    return distribution(target.eval([tokens[-1]] * width, all_logits=True)[0], params)
+
+
+def chi_square_pvalue(counts: np.ndarray, p: np.ndarray, runs: int) -> float:
+    expected = p * runs
+    big = expected >= 5  # pool rare outcomes into one bin so the test is valid
+    observed_bins, expected_bins = np.r_[counts[big], counts[~big].sum()], np.r_[expected[big], expected[~big].sum()]
+    if expected_bins[-1] == 0:
+        observed_bins, expected_bins = observed_bins[:-1], expected_bins[:-1]
+    return scipy_stats.chisquare(observed_bins, expected_bins).pvalue
+
+
+PARAMS = dict(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
+COUNTING = "one two three four five six. one two three four five six. one two three"
+
+
+@pytest.mark.parametrize("prediction", [None, " four five six. one"], ids=["context", "prediction"])
+def test_first_and_second_token_laws_are_the_targets(smollm2, prediction):
+    """Sampled: the first two tokens over 1500 runs follow the target's own joint law
+    p(t1) p(t2 | t1) (chi-square), through copy drafts that are accepted or rejected."""
+    engine, runs = Engine(smollm2, None, gamma=2, draft_mode="copy"), 1500
+    tokens = engine.prompt_tokens(COUNTING, raw=True)
+    params = SamplingParams(**PARAMS)
+    p1 = target_probabilities(engine, tokens, params, 3)
+    support = np.flatnonzero(p1)
+    p2 = {int(t): target_probabilities(engine, tokens + [int(t)], params, 2) for t in support}
+    joint = np.concatenate([p1[t] * p2[int(t)] for t in support])
+    counts = np.zeros(len(support) * len(p1))
+    sources = set()
+    rng = np.random.default_rng(11)
+    for _ in range(runs):
+        events = engine.stream(
+            COUNTING, raw=True, max_tokens=2, seed=int(rng.integers(2**32)), prediction=prediction, **PARAMS
+        )
+        first, second = next(events), next(events)
+        events.close()
+        counts[int(np.flatnonzero(support == first.token)[0]) * len(p1) + second.token] += 1
+        sources.add(first.source)
+    assert sources == {"draft", "target"}  # both paths (accepted draft, resampled) were exercised
+    assert chi_square_pvalue(counts, joint, runs) > 0.01
