@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -51,7 +52,8 @@ def _check(args: argparse.Namespace) -> None:
     check_mode(args.draft_mode, has_model=args.target is None or args.draft is not None)
     if isinstance(args.gamma, int):
         check_gamma(args.gamma)
-    check_max_tokens(args.max_tokens)
+    if hasattr(args, "max_tokens"):
+        check_max_tokens(args.max_tokens)
     SamplingParams(**{k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p") if hasattr(args, k)})
 
 
@@ -211,6 +213,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .registry import load_registry
+    from .server import Api, Worker, listen, serve
+
+    _check(args)
+    sock = listen(args.host, args.port)  # before loading: a port in use costs no load time
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    worker = Worker(lambda: _load(args))  # the engine lives on the worker's thread
+    engine = worker.wait_loaded()
+    names = [args.target, args.draft] if args.target else _pair_models(load_registry(), args.pair)
+    target, draft = (Path(m).name if m and Path(m).suffix == ".gguf" else m for m in names)
+    app = Api(worker, target, draft if engine.drafter else None, args.api_key).app()
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
+    auth = " -H 'Authorization: Bearer YOUR_KEY'" if args.api_key else ""
+    print(f"edgespec serve: {target}" + (f" drafted by {draft}" if engine.drafter else ""), file=sys.stderr)
+    print(f"  OpenAI API at {url} (Ctrl+C stops)", file=sys.stderr)
+    print(
+        f"  try: curl {url}/chat/completions -H 'Content-Type: application/json'{auth}"
+        """ -d '{"messages": [{"role": "user", "content": "Hello"}]}'""",
+        file=sys.stderr,
+    )
+    if host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:
+        print(
+            "  warning: listening beyond this machine without --api-key: anyone who reaches it can use it",
+            file=sys.stderr,
+        )
+    sys.stderr.flush()
+    try:
+        serve(app, sock)  # stops the worker, which closes the engine, on the way out
+    except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed Ctrl+C on
+        pass
+    print("edgespec serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _pair_models(registry, pair: str | None) -> list[str]:
+    entry = registry.pair(pair or registry.default_pair)
+    return [entry.target, entry.draft]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgespec", description="Speculative decoding on llama.cpp, offline.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -249,6 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], help="0 = greedy (default 0.8)")
     c.add_argument("--max-tokens", type=int, default=1024, help="tokens per answer at most (default 1024)")
     c.set_defaults(func=cmd_chat)
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (chat, completions, predicted outputs)")
+    _model_options(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    v.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="each draft mode vs the target alone on a small prompt set")
     _model_options(b)

@@ -71,7 +71,7 @@ class ModelDrafter:
                 q = q_rows[len(tokens)]
                 q[: model.n_vocab] = distribution(logits, params)[: self.target_vocab]
                 q /= q.sum()
-                token = sample(q, rng)
+                token = sample(q, rng.random())
                 confidence = q[token]
             p_all *= confidence
             if len(tokens) < len(stop_below) and p_all < stop_below[len(tokens)]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from time import perf_counter
@@ -14,7 +15,7 @@ from .controller import Controller, check_mode, expected_tokens
 from .drafters import CopyDrafter, Drafter
 from .errors import EdgespecError
 from .model import ContextFull, Model
-from .sampling import SamplingParams, distribution, verify, verify_greedy
+from .sampling import SamplingParams, distribution, position_uniforms, verify, verify_greedy
 from .text import TextStream
 
 Prompt = str | Sequence[Message]
@@ -281,8 +282,6 @@ class Engine:
         draft_model = getattr(self.drafter, "model", None)
         verify_cost = self.cost_curve(self.target) if adaptive else None
         draft_cost = self.cost_curve(draft_model, calibration.DRAFT_SIZES) if adaptive and draft_model else None
-        if adaptive:  # costs measured long ago (maybe on a busy machine) are measured again
-            calibration.recheck([(model, curve) for (model, _), curve in self._costs.items()])
         return Controller(mode, gamma, verify_cost, draft_cost, self.drafter, self.copy)
 
     def close(self) -> None:
@@ -311,7 +310,10 @@ class Engine:
         )
         if controller.V is not None:
             stats.baseline_tokens_per_s = controller.off_rate()
-        rng = np.random.default_rng(params.seed)
+        # the answer's randomness is a function of the seed and each token's position (see
+        # sampling.position_uniforms); drafts from the model draw from a stream of their own
+        seed = secrets.randbits(63) if params.seed is None else params.seed
+        rng = np.random.default_rng([seed, 1 << 62])
 
         start = perf_counter()
         # the target's cache holds everything but the last token, which opens the first verify batch
@@ -326,7 +328,7 @@ class Engine:
         seq = list(prompt)
         try:
             limit = len(prompt) + max_tokens
-            for new_tokens in speculative_decode(target, controller, seq, params, rng, stats, limit):
+            for new_tokens in speculative_decode(target, controller, seq, params, seed, rng, stats, limit):
                 for token, from_draft in new_tokens:
                     if target.is_eog(token):
                         stats.finish_reason = "stop"
@@ -344,6 +346,9 @@ class Engine:
                     break
         except ContextFull:
             stats.finish_reason = "context"
+        if controller.V is not None:  # costs measured long ago (maybe on a busy machine) are measured
+            # again: after the answer, so it never delays a first token
+            calibration.recheck([(model, curve) for (model, _), curve in self._costs.items()])
         yield Event(text.flush(), None, None, stats)
 
 
@@ -352,6 +357,7 @@ def speculative_decode(
     controller: Controller,
     seq: list[int],
     params: SamplingParams,
+    seed: int,
     rng: np.random.Generator,
     stats: Stats,
     limit: int,
@@ -374,7 +380,7 @@ def speculative_decode(
             p_rows = np.empty(logits.shape)
             for i, row in enumerate(logits):
                 p_rows[i] = distribution(row, params)
-            n, next_token = verify(draft.tokens, draft.q, p_rows, rng)
+            n, next_token = verify(draft.tokens, draft.q, p_rows, position_uniforms(seed, len(seq), len(p_rows)))
 
         # drop the rejected drafts from the target's cache (the drafter trims its own)
         target.truncate(len(seq) + n)

@@ -71,10 +71,18 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
-def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    """One token id drawn from the distribution p (need not be normalised)."""
+def sample(p: np.ndarray, u: float) -> int:
+    """The token id that the uniform draw u in [0, 1) picks from the distribution p
+    (inverse CDF; p need not be normalised)."""
     cum = np.cumsum(p)
-    return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), len(p) - 1))
+    return int(min(np.searchsorted(cum, u * cum[-1], side="right"), len(p) - 1))
+
+
+def position_uniforms(seed: int, start: int, count: int) -> np.ndarray:
+    """(count, 2) uniform draws for the sequence positions start, start+1, ...: column 0
+    decides a draft token's acceptance, column 1 draws a token. They depend only on the
+    seed and the position, so a seeded answer is the same however it was drafted."""
+    return np.array([np.random.default_rng([seed, position]).random(2) for position in range(start, start + count)])
 
 
 def acceptance_probability(p: np.ndarray, q: np.ndarray | None, x: int) -> float:
@@ -99,24 +107,31 @@ def verify(
     draft: list[int],
     q_rows: np.ndarray | None,
     p_rows: np.ndarray,
-    rng: np.random.Generator,
+    uniforms: np.ndarray,
 ) -> tuple[int, int]:
     """Accept a draft left to right; return (number accepted, next token).
 
     draft: γ proposed token ids. q_rows: (γ, V) draft distributions, or None for a
     deterministic draft (point masses). p_rows: (γ+1, V) target distributions,
-    row i conditioned on the context plus draft[:i].
+    row i conditioned on the context plus draft[:i]. uniforms: (γ+1, 2) draws for
+    those positions (see position_uniforms).
 
     Token x_i is accepted with probability min(1, p_i(x)/q_i(x)). At the first
     rejection the next token comes from norm(max(p_i - q_i, 0)) and the rest of
     the draft is dropped; if all γ pass, a bonus token is sampled from p_γ. The
     result is distributed exactly as the target alone (Leviathan et al., Thm 1).
+    A point mass x is accepted exactly when the position's own draw from p_i is x
+    (probability p_i(x), as the rule above, and otherwise that draw is the next
+    token, from p_i without x): so copies never change a seeded answer.
     """
     for i, x in enumerate(draft):
-        q = None if q_rows is None else q_rows[i]
-        if rng.random() >= acceptance_probability(p_rows[i], q, x):
-            return i, sample(residual_distribution(p_rows[i], q, x), rng)
-    return len(draft), sample(p_rows[len(draft)], rng)
+        u_accept, u_draw = uniforms[i]
+        if q_rows is None:
+            if (token := sample(p_rows[i], u_draw)) != x:
+                return i, token
+        elif u_accept >= acceptance_probability(p_rows[i], q_rows[i], x):
+            return i, sample(residual_distribution(p_rows[i], q_rows[i], x), u_draw)
+    return len(draft), sample(p_rows[len(draft)], uniforms[len(draft)][1])
 
 
 def verify_greedy(draft: list[int], target_argmax: list[int]) -> tuple[int, int]:

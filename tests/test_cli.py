@@ -147,6 +147,7 @@ def test_sha_mismatch_of_cached_file(capsys, bad_sha_registry, smollm2_path):
 
 def test_generate_with_a_prediction_file_and_stdin(capsys, monkeypatch, tmp_path):
     argv = ["generate", "Repeat exactly: the quick brown fox", *SMALL, "--temperature", "0", "--max-tokens", "12"]
+    argv += ["--draft-mode", "copy", "--gamma", "8"]  # draft whenever there is a copy (auto may wait)
     code, out, _ = run(capsys, *argv, "--json")
     answer = json.loads(out)["text"]
     prediction = tmp_path / "prediction.txt"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_greedy_match
+from conftest import assert_greedy_match, assert_sampled_match
 from scipy import stats as scipy_stats
 
 from edgespec import Engine, SamplingParams
@@ -135,19 +135,36 @@ def test_copy_greedy_equals_no_draft(smollm2):
 
 @pytest.mark.parametrize("mode", ["auto", "copy"])
 def test_a_prediction_changes_the_speed_not_the_answer(smollm2, mode):
-    engine = Engine(smollm2, None, draft_mode=mode)
+    engine = Engine(smollm2, None, draft_mode=mode, gamma=8 if mode == "copy" else None)
     prompt = "Write a short poem about the sea."
     baseline = engine.generate(prompt, speculative=False, temperature=0, max_tokens=48)
     good = engine.generate(prompt, temperature=0, max_tokens=48, prediction=baseline.text)
     tokens = engine.prompt_tokens(prompt)
     assert_greedy_match(f"prediction/{mode}", smollm2, tokens, baseline.tokens, good.tokens)
     stats = good.stats
-    assert stats.accepted_prediction_tokens > 12 and stats.rounds < 0.75 * stats.n_tokens
-    assert stats.rounds_by_source.get("prediction", 0) > 0
+    if mode == "copy":  # (auto drafts only where its measured costs say it pays)
+        assert stats.accepted_prediction_tokens > 12 and stats.rounds < 0.75 * stats.n_tokens
+        assert stats.rounds_by_source.get("prediction", 0) > 0
     assert stats.as_dict()["accepted_prediction_tokens"] == stats.accepted_prediction_tokens
     useless = engine.generate(prompt, temperature=0, max_tokens=48, prediction="Quarterly revenue rose 4%." * 20)
     assert useless.stats.accepted_prediction_tokens == 0
     assert_greedy_match(f"useless prediction/{mode}", smollm2, tokens, baseline.tokens, useless.tokens)
+
+
+def test_a_seeded_sampled_answer_is_the_same_with_and_without_copies(smollm2):
+    """Copies are verified with each position's own draw (sampling.verify): with a seed,
+    speculation changes nothing but the speed, as in greedy mode."""
+    engine = Engine(smollm2, None, draft_mode="copy", gamma=8)
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, seed=42)
+    sampled = dict(temperature=0.7, seed=42, max_tokens=60)
+    tokens = engine.prompt_tokens(EDIT)
+    baseline = engine.generate(EDIT, speculative=False, **sampled)
+    spec = engine.generate(EDIT, **sampled)
+    assert spec.stats.accepted > 0
+    assert_sampled_match("seeded copy", smollm2, tokens, baseline.tokens, spec.tokens, params, 42)
+    predicted = engine.generate(EDIT, prediction=baseline.text, **sampled)
+    assert predicted.stats.accepted_prediction_tokens > 0
+    assert_sampled_match("seeded prediction", smollm2, tokens, baseline.tokens, predicted.tokens, params, 42)
 
 
 def target_probabilities(engine: Engine, tokens: list[int], params: SamplingParams, width: int) -> np.ndarray:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -46,3 +47,24 @@ def test_package_docstring_example(capsys):
     example = "\n".join(line for line in edgespec.__doc__.splitlines()[2:])
     exec(compile(example, "edgespec/__init__.py", "exec"), {})
     assert "def " in capsys.readouterr().out
+
+
+def test_readme_openai_client_section(capsys):
+    """The server section's curl and Python examples, against `edgespec serve` on the
+    default pair (on a free port instead of 8080, so the test never collides)."""
+    from test_server import Server
+
+    section = README[README.index("## Use it from any OpenAI client") : README.index("## Library")]
+    (shell,) = code_blocks(section, "sh")
+    (python,) = code_blocks(section, "python")
+    server = Server("--pair", "qwen-coder")
+    try:
+        curl = shell.split("\n", 1)[1].replace("\\\n", " ").replace("http://127.0.0.1:8080/v1", server.url)
+        done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
+        reply = json.loads(done.stdout)
+        assert reply["choices"][0]["message"]["content"] and "speculative" in reply
+        exec(compile(python.replace("http://127.0.0.1:8080/v1", server.url), "README.md", "exec"), {})
+        out = capsys.readouterr().out
+        assert "surface" in out and "accepted_prediction_tokens" in out and "drafted" in out
+    finally:
+        assert server.stop() == 0

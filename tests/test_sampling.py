@@ -10,6 +10,7 @@ from edgespec import EdgespecError, SamplingParams
 from edgespec.sampling import (
     acceptance_probability,
     distribution,
+    position_uniforms,
     residual_distribution,
     sample,
     verify,
@@ -77,10 +78,10 @@ def test_verify_monte_carlo_two_tokens():
             draft, q_rows = [], []
             for _ in range(2):
                 q = q_table[ctx + tuple(draft)] if len(ctx) + len(draft) < 2 else random_dist(v, rng=rng)
-                draft.append(sample(q, rng))
+                draft.append(sample(q, rng.random()))
                 q_rows.append(q)
             p_rows = [p_table.get(ctx + tuple(draft[:i]), np.full(v, 1 / v)) for i in range(3)]
-            k, nxt = verify(draft, np.array(q_rows), np.array(p_rows), rng)
+            k, nxt = verify(draft, np.array(q_rows), np.array(p_rows), rng.random((3, 2)))
             out += draft[:k] + [nxt]
         counts[out[0], out[1]] += 1
     expected = np.array([[p_table[()][a] * p_table[(a,)][b] for b in range(v)] for a in range(v)]) * n
@@ -90,9 +91,29 @@ def test_verify_monte_carlo_two_tokens():
 def test_sample_follows_distribution():
     rng = np.random.default_rng(2)
     p = np.array([0.5, 0.0, 0.3, 0.2, 0.0])
-    draws = np.bincount([sample(p, rng) for _ in range(20000)], minlength=5)
+    draws = np.bincount([sample(p, rng.random()) for _ in range(20000)], minlength=5)
     assert draws[1] == draws[4] == 0
     assert scipy_stats.chisquare(draws[[0, 2, 3]], p[[0, 2, 3]] * 20000).pvalue > 0.01
+
+
+def test_point_mass_verification_is_the_plain_draw_at_each_position():
+    """A deterministic draft is accepted exactly when the position's own draw from p is the
+    draft token, and otherwise that draw is the next token: whatever is drafted, the tokens
+    out are those sampling without a draft would give with the same uniforms."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        p_rows = np.array([random_dist(6, rng=rng) for _ in range(4)])
+        uniforms = rng.random((4, 2))
+        plain = [sample(p, u) for p, (_, u) in zip(p_rows, uniforms, strict=True)]
+        for draft in ([], plain[:3], [plain[0], (plain[1] + 1) % 6, 0], list(rng.integers(0, 6, 3))):
+            n, nxt = verify(draft, None, p_rows[: len(draft) + 1], uniforms[: len(draft) + 1])
+            assert draft[:n] + [nxt] == plain[: n + 1]
+
+
+def test_position_uniforms_depend_on_seed_and_position_only():
+    a = position_uniforms(7, 10, 5)
+    np.testing.assert_array_equal(a[2:], position_uniforms(7, 12, 3))
+    assert not np.array_equal(a, position_uniforms(8, 10, 5)) and a.shape == (5, 2)
 
 
 def test_verify_greedy():

@@ -79,7 +79,7 @@ def test_python_dash_m_and_console_script_help():
         assert done.returncode == 0 and "generate" in done.stdout and "bench" in done.stdout
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "pull", "models", "bench"])
+@pytest.mark.parametrize("command", ["generate", "chat", "pull", "models", "bench", "serve"])
 def test_every_subcommand_has_help(capsys, command):
     with pytest.raises(SystemExit) as exit:
         edgespec.cli.main([command, "--help"])

@@ -1,0 +1,518 @@
+"""`edgespec serve`: an OpenAI-compatible HTTP API over one Engine.
+
+One worker thread owns the engine and runs requests one at a time, in arrival order
+(llama.cpp contexts are not shared between threads; the KV cache of the prefix that
+consecutive requests share is reused by the engine). The event loop only reads,
+validates and streams. Every answer carries OpenAI's `usage` and a `speculative`
+object with what speculation did.
+
+Bad requests get OpenAI's error JSON and one log line, never a traceback; the server
+keeps serving after each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .controller import MODES
+from .engine import Engine, Event, Stats
+from .errors import EdgespecError
+
+MAX_BODY = 8 << 20  # bytes: a whole source file as a prediction fits many times over
+MAX_STOP = 16  # stop strings per request
+FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
+
+log = logging.getLogger("edgespec.serve")
+
+
+class ApiError(Exception):
+    """A request the API refuses, in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+        self.type = "invalid_request_error" if status < 500 else "server_error"
+
+    def response(self) -> JSONResponse:
+        error = {"message": str(self), "type": self.type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": error}, status_code=self.status)
+
+
+# --- requests -----------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One generation: its parameters, and the events the worker sends back to the
+    event loop (Events, then None; or one ApiError)."""
+
+    prompt: str | list[dict]
+    options: dict  # Engine.stream() keyword arguments
+    stream: bool = False
+    include_usage: bool = False
+    predicted: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+
+    def send(self, item) -> None:
+        """From the worker thread to the request's handler."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutting down)
+            self.cancelled.set()
+
+
+def _text(content, param: str) -> str:
+    """A message's content: a string, or OpenAI's list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"'{param}' must be a string or a list of text parts", param)
+
+
+def _get(body: dict, name: str, kinds: tuple, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join(
+            {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}[k] for k in kinds
+        )
+        raise ApiError(400, f"'{name}' must be {names}", name)
+    return value
+
+
+def _options(body: dict) -> dict:
+    """Engine.stream() options from the request's sampling and speculation fields."""
+    n = _get(body, "n", (int,), 1)
+    if n != 1:
+        raise ApiError(400, "only n=1 is supported: one answer per request", "n")
+    for unsupported in ("logprobs", "tools", "functions", "echo", "suffix"):
+        if body.get(unsupported) not in (None, False, [], 0, ""):
+            raise ApiError(400, f"'{unsupported}' is not supported by edgespec", unsupported)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
+    if stop and len(stop) > MAX_STOP:
+        raise ApiError(400, f"at most {MAX_STOP} stop strings", "stop")
+    max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,), 512)
+    draft_mode = _get(body, "draft_mode", (str,))
+    if draft_mode is not None and draft_mode not in MODES:
+        raise ApiError(400, f"'draft_mode' must be one of {', '.join(MODES)}", "draft_mode")
+    gamma = body.get("gamma")
+    if gamma is not None and gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int)):
+        raise ApiError(400, "'gamma' must be an integer or \"auto\"", "gamma")
+    options = {
+        "max_tokens": max_tokens,
+        "stop": stop or (),
+        "temperature": _get(body, "temperature", (int, float), 0.8),
+        "top_p": _get(body, "top_p", (int, float), 0.95),
+        "top_k": _get(body, "top_k", (int,), 40),
+        "min_p": _get(body, "min_p", (int, float), 0.05),
+        "seed": _get(body, "seed", (int,)),
+        "draft_mode": draft_mode,
+        "gamma": gamma,
+    }
+    prediction = body.get("prediction")
+    if prediction is not None:
+        if not isinstance(prediction, dict) or prediction.get("type") != "content":
+            raise ApiError(400, '\'prediction\' must be {"type": "content", "content": ...}', "prediction")
+        options["prediction"] = _text(prediction.get("content"), "prediction.content")
+    return options
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", (bool,), False)
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    return stream, bool(_get(stream_options, "include_usage", (bool,), False))
+
+
+def chat_job(body: dict) -> Job:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    chat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+        chat.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
+    options = _options(body)
+    stream, include_usage = _stream_flags(body)
+    return Job(chat, options, stream, include_usage, "prediction" in options)
+
+
+def completion_job(body: dict) -> Job:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+    options = _options(body)
+    stream, include_usage = _stream_flags(body)
+    return Job(prompt, options | {"raw": True}, stream, include_usage, "prediction" in options)
+
+
+# --- the worker ---------------------------------------------------------------------
+
+
+class Worker:
+    """Owns the engine on a thread of its own: loads it, runs jobs one at a time in the
+    order they came, and closes it. All llama.cpp work stays on this one thread: with
+    OpenMP builds a second thread that computes (the main one, say) gets a thread team of
+    its own, the teams outnumber the cores, and every pass slows down by a quarter
+    (measured on 2 cores)."""
+
+    def __init__(self, load: Callable[[], Engine]) -> None:
+        self.engine: Engine | None = None
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.current: Job | None = None
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(load,), name="edgespec-engine", daemon=True)
+        self.thread.start()
+
+    def wait_loaded(self) -> Engine:
+        """The loaded engine, or the loading error raised here."""
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise self._load_error
+        return self.engine
+
+    def submit(self, job: Job) -> None:
+        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        self.jobs.put(job)
+
+    def stop(self) -> None:
+        """Cancel what runs, finish the thread (the next round boundary at the latest)."""
+        if self.current is not None:
+            self.current.cancelled.set()
+        while not self.jobs.empty():
+            if job := self.jobs.get_nowait():
+                job.cancelled.set()
+        self.jobs.put(None)
+        self.thread.join()
+
+    def _run(self, load: Callable[[], Engine]) -> None:
+        try:
+            self.engine = load()
+        except BaseException as e:  # bad input (one line for the user), or anything else
+            self._load_error = e
+            return
+        finally:
+            self._loaded.set()
+        with self.engine:
+            while (job := self.jobs.get()) is not None:
+                self.current = job
+                if job.cancelled.is_set():  # a client that left while queued costs nothing
+                    job.send(None)
+                else:
+                    self._generate(job)
+                self.current = None
+
+    def _generate(self, job: Job) -> None:
+        try:
+            events = self.engine.stream(job.prompt, **job.options)
+        except EdgespecError as e:  # the prompt is too long, a parameter is out of range, ...
+            job.send(ApiError(400, str(e)))
+            return
+        try:
+            for event in events:
+                job.send(event)
+                if job.cancelled.is_set():  # the client left: free the engine at this round
+                    break
+        except Exception as e:  # a llama.cpp failure: answer 500, keep serving
+            log.error("generation failed: %s: %s", type(e).__name__, e)
+            job.send(ApiError(500, f"generation failed ({type(e).__name__})"))
+        finally:
+            events.close()
+        job.send(None)
+
+
+# --- responses ------------------------------------------------------------------------
+
+
+def usage(stats: Stats, predicted: bool) -> dict:
+    out = {
+        "prompt_tokens": stats.n_prompt,
+        "completion_tokens": stats.n_tokens,
+        "total_tokens": stats.n_prompt + stats.n_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.n_prompt_cached},
+    }
+    if predicted:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+            "rejected_prediction_tokens": stats.rejected_prediction_tokens,
+        }
+    return out
+
+
+def speculative(stats: Stats) -> dict:
+    """What speculation did for this answer (as vLLM and LM Studio report it)."""
+    return {
+        "mode": stats.mode,
+        "draft_mode": stats.draft_mode,
+        "gamma": stats.gamma,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "tokens_per_round": round(stats.tokens_per_round, 3),
+        "tokens_per_s": round(stats.tokens_per_s, 2),
+        "rounds": stats.rounds,
+        "rounds_by_source": stats.rounds_by_source,
+        "measured_speedup": round(stats.measured_speedup, 3),
+        "predicted_speedup": round(stats.predicted_speedup, 3),
+        "flash_attn": stats.flash_attn,
+        "finish_reason": stats.finish_reason,  # "context" when the context window filled up
+    }
+
+
+class Api:
+    """The HTTP endpoints over one engine."""
+
+    def __init__(self, worker: Worker, model_name: str, draft_name: str | None, api_key: str | None) -> None:
+        self.worker, self.model_name, self.draft_name, self.api_key = worker, model_name, draft_name, api_key
+
+    def app(self) -> Starlette:
+        @asynccontextmanager
+        async def lifespan(app):
+            yield
+            await asyncio.to_thread(self.worker.stop)  # finish the engine's thread, which closes it
+
+        routes = [
+            Route("/health", self.health),
+            Route("/v1/models", self.models),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ]
+        app = Starlette(routes=routes, lifespan=lifespan)
+        app.add_middleware(_Guard, api_key=self.api_key)
+        return app
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}
+        model["draft"] = self.draft_name
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._answer(request, chat_job, "chat.completion")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._answer(request, completion_job, "text_completion")
+
+    async def _answer(self, request: Request, make_job, kind: str) -> Response:
+        watcher = None
+        try:
+            job = make_job(await _json_body(request))
+            self.worker.submit(job)
+            watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+            first = await job.events.get()
+            if first is None:  # the client left while its request waited for its turn
+                log.info("%s %s: the client left before its answer started", request.method, request.url.path)
+                return Response(status_code=499)
+            if isinstance(first, ApiError):
+                raise first
+            reply = _Reply(kind, self.model_name, job)
+            if job.stream:
+                watcher, streaming = None, watcher  # the stream owns it from here
+                return StreamingResponse(reply.chunks(first, streaming), media_type="text/event-stream")
+            return JSONResponse(await reply.whole(first))
+        except ApiError as e:
+            log.warning("%s %s: %d %s", request.method, request.url.path, e.status, e)
+            return e.response()
+        except Exception as e:  # a bug of ours: one log line and a 500, no traceback to anyone
+            log.error("%s %s: internal error %s: %s", request.method, request.url.path, type(e).__name__, e)
+            return ApiError(500, "internal error; see the server log").response()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+
+class _Reply:
+    """One answer in OpenAI's shapes: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, kind: str, model: str, job: Job) -> None:
+        self.kind, self.model, self.job = kind, model, job
+        prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+        self.id, self.created = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
+
+    def _envelope(self, object_kind: str, choices: list) -> dict:
+        return {"id": self.id, "object": object_kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def _choice(self, text: str, finish: str | None, *, delta: bool, first: bool = False) -> dict:
+        if self.kind == "text_completion":
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if not delta:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": 0, "delta": ({"role": "assistant"} if first else {}) | ({"content": text} if text else {}),
+                "finish_reason": finish}  # fmt: skip
+
+    def _closing(self, stats: Stats) -> dict:
+        return {"usage": usage(stats, self.job.predicted), "speculative": speculative(stats)}
+
+    async def whole(self, first: Event) -> dict:
+        text, event = [first.text], first
+        while (item := await self.job.events.get()) is not None:
+            if isinstance(item, ApiError):
+                raise item
+            text.append(item.text)
+            event = item
+        stats = event.stats
+        _log_answer(stats)
+        choice = self._choice("".join(text), FINISH_REASONS.get(stats.finish_reason), delta=False)
+        return self._envelope(self.kind, [choice]) | self._closing(stats)
+
+    async def chunks(self, first: Event, watcher: asyncio.Task) -> AsyncIterator[str]:
+        """SSE: text as it comes (what is ready is sent together), then the finish reason,
+        the usage chunk if asked for, and [DONE]."""
+        kind, event, opening = f"{self.kind}.chunk" if self.kind == "chat.completion" else self.kind, first, True
+        try:
+            pending = [first]
+            while True:
+                while not self.job.events.empty():  # the rest of a round came at once: one chunk
+                    pending.append(self.job.events.get_nowait())
+                ended = pending[-1] is None
+                events = [e for e in pending if e is not None]
+                failure = next((e for e in events if isinstance(e, ApiError)), None)
+                if failure is not None:
+                    yield _sse({"error": {"message": str(failure), "type": failure.type, "code": None}})
+                    break
+                if events:
+                    event = events[-1]
+                    text = "".join(e.text for e in events)
+                    if text or opening:
+                        yield _sse(self._envelope(kind, [self._choice(text, None, delta=True, first=opening)]))
+                        opening = False
+                if ended:
+                    stats = event.stats
+                    _log_answer(stats)
+                    finish = self._choice("", FINISH_REASONS.get(stats.finish_reason), delta=True)
+                    yield _sse(self._envelope(kind, [finish]))
+                    if self.job.include_usage:
+                        yield _sse(self._envelope(kind, []) | self._closing(stats))
+                    else:
+                        yield _sse(self._envelope(kind, []) | {"speculative": speculative(stats)})
+                    break
+                pending = [await self.job.events.get()]
+            yield "data: [DONE]\n\n"
+        finally:
+            self.job.cancelled.set()  # a no-op after the end; frees the engine if the client left
+            watcher.cancel()
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _log_answer(stats: Stats) -> None:
+    log.info(
+        "answered: %d+%d tokens (%d cached), %.1f tok/s, %s, finish %s",
+        stats.n_prompt,
+        stats.n_tokens,
+        stats.n_prompt_cached,
+        stats.tokens_per_s,
+        ", ".join(f"{k} {v}" for k, v in sorted(stats.rounds_by_source.items())) or "no rounds",
+        stats.finish_reason,
+    )
+    if stats.finish_reason == "context":
+        log.warning("the context window is full: the answer was cut; start the server with a larger --ctx")
+
+
+async def _json_body(request: Request) -> dict:
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+        raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY:
+            raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return data
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """A client that goes away frees the engine (at the next round boundary)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
+
+
+class _Guard:
+    """ASGI middleware: the API key on every endpoint (compared in constant time), and
+    one log line for requests refused here."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.api_key is not None:
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            expected = f"Bearer {self.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                log.warning("%s %s: 401 missing or wrong API key", scope["method"], scope["path"])
+                error = ApiError(
+                    401, "missing or wrong API key; send 'Authorization: Bearer KEY'", code="invalid_api_key"
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, or one sentence on why not (port in use, bad address)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # IPPROTO_TCP spelled out: asyncio switches Nagle off (TCP_NODELAY) only on sockets that
+        # say so, and with it on, each streamed chunk would wait out the client's delayed ACK
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        raise EdgespecError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host"
+        ) from None
+    return sock
+
+
+def serve(app: Starlette, sock: socket.socket) -> None:
+    """Run until Ctrl+C (uvicorn shuts down cleanly on SIGINT and SIGTERM)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])

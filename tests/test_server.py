@@ -1,0 +1,250 @@
+"""`edgespec serve` for real: a server process on a free loopback port (SmolLM2 pair),
+talked to with the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import assert_greedy_match
+
+from edgespec import Engine, Model, ModelDrafter
+
+CTX = 1024
+HELLO = [{"role": "user", "content": "Say hello in three words."}]
+
+
+class Server:
+    """`edgespec serve` in a process of its own, on a free port (the SmolLM2 pair unless
+    told otherwise)."""
+
+    def __init__(self, *extra: str) -> None:
+        models = [] if "--pair" in extra else ["--pair", "smollm2-self", "--ctx", str(CTX)]
+        argv = [sys.executable, "-m", "edgespec", "serve", *models, "--port", "0"]
+        self.process = subprocess.Popen([*argv, *extra], stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.lines: list[str] = []
+        for line in self.process.stderr:
+            self.lines.append(line)
+            if match := re.search(r"OpenAI API at (\S+)", line):
+                self.url = match.group(1)
+                break
+        else:
+            raise AssertionError("the server did not start: " + "".join(self.lines))
+        threading.Thread(target=lambda: self.lines.extend(self.process.stderr), daemon=True).start()
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=60, **kwargs)
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGINT)  # Ctrl+C
+        return self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    assert s.stop() == 0 and "edgespec serve: stopped" in "".join(s.lines)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    """The same pair in this process: what the server's answers must equal."""
+    target, draft = Model(smollm2_path, n_ctx=CTX), Model(smollm2_path, n_ctx=CTX)
+    with Engine(target, ModelDrafter(draft, target.n_vocab), owned=[target, draft]) as e:
+        yield e
+
+
+def test_chat_equals_the_library_answer(server, engine):
+    reply = server.client().chat.completions.create(model="smollm2", messages=HELLO, temperature=0, max_tokens=24)
+    direct = engine.chat(HELLO, temperature=0, max_tokens=24)
+    served = engine.target.tokenize(reply.choices[0].message.content, add_special=False)
+    if served != direct.tokens:  # a float near-tie: check where they part
+        assert_greedy_match("server", engine.target, engine.prompt_tokens(HELLO), direct.tokens, served)
+    assert reply.usage.completion_tokens == direct.stats.n_tokens
+    assert reply.usage.prompt_tokens == direct.stats.n_prompt
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    spec = reply.model_extra["speculative"]
+    assert {"drafted", "accepted", "acceptance_rate", "tokens_per_round", "tokens_per_s", "rounds_by_source"} <= set(
+        spec
+    )
+
+
+def test_streaming_with_usage(server):
+    chunks = list(
+        server.client().chat.completions.create(
+            model="smollm2",
+            messages=HELLO,
+            temperature=0,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = server.client().chat.completions.create(model="smollm2", messages=HELLO, temperature=0, max_tokens=16)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens_details.cached_tokens > 0  # the second request reused the prefix's KV cache
+    assert "speculative" in last.model_extra
+
+
+def test_completions_models_and_health(server):
+    done = server.client().completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert done.object == "text_completion" and done.choices[0].text and done.usage.completion_tokens <= 8
+    streamed = server.client().completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m"]
+    assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+
+
+def test_stop_strings_and_seeds(server):
+    client = server.client()
+    counting = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    full = client.chat.completions.create(model="m", messages=counting, temperature=0, max_tokens=60).choices[0]
+    assert "4" in full.message.content
+    stop = full.message.content[full.message.content.index("4") :][:3]
+    cut = client.chat.completions.create(model="m", messages=counting, temperature=0, max_tokens=60, stop=[stop])
+    assert cut.choices[0].message.content == full.message.content[: full.message.content.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    story = [{"role": "user", "content": "Tell me a very short story."}]
+    first, second = (
+        client.chat.completions.create(model="m", messages=story, temperature=1.0, seed=7, max_tokens=30)
+        for _ in range(2)
+    )
+    assert first.choices[0].message.content == second.choices[0].message.content
+
+
+def test_prediction_is_used_and_counted(server):
+    client = server.client()
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+    ask = [{"role": "user", "content": f"Repeat this code exactly:\n{code}"}]
+    plain = client.chat.completions.create(model="m", messages=ask, temperature=0, max_tokens=60)
+    predicted = client.chat.completions.create(
+        model="m",
+        messages=ask,
+        temperature=0,
+        max_tokens=60,
+        prediction={"type": "content", "content": code},
+        extra_body={"draft_mode": "copy", "gamma": 8},  # draft whenever there is a copy (auto may wait)
+    )
+    assert predicted.choices[0].message.content == plain.choices[0].message.content
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+    assert predicted.model_extra["speculative"]["rounds_by_source"].get("prediction", 0) > 0
+
+
+def test_eight_concurrent_clients(server, engine):
+    prompts = [[{"role": "user", "content": f"Name a fruit that starts with the letter {c}."}] for c in "ABCDEFGH"]
+    expected = {i: engine.chat(p, temperature=0, max_tokens=12).tokens for i, p in enumerate(prompts)}
+    answers: dict[int, list] = {i: [] for i in range(8)}
+
+    def client_thread(i: int) -> None:
+        client = server.client(timeout=120)
+        for _ in range(3):
+            reply = client.chat.completions.create(model="m", messages=prompts[i], temperature=0, max_tokens=12)
+            answers[i].append(reply.choices[0].message.content)
+
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for i in range(8):
+        assert len(answers[i]) == 3 and len(set(answers[i])) == 1, answers[i]
+        served = engine.target.tokenize(answers[i][0], add_special=False)
+        if served != expected[i]:
+            assert_greedy_match(f"concurrent {i}", engine.target, engine.prompt_tokens(prompts[i]), expected[i], served)
+
+
+def test_a_client_that_drops_mid_stream_frees_the_engine(server):
+    story = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 900}
+    with httpx.stream("POST", server.url + "/chat/completions", json=story | {"stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    time.sleep(0.5)  # the connection is closed: the server notices and stops at the round boundary
+    reply = server.client().chat.completions.create(model="m", messages=HELLO, temperature=0, max_tokens=8)
+    assert reply.choices[0].message.content
+    answered = [line for line in server.lines if "answered:" in line]
+    dropped = answered[-2]  # the dragon story, logged when it ended
+    assert int(re.search(r"\d+\+(\d+) tokens", dropped).group(1)) < 900, dropped
+
+
+BAD_REQUESTS = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": [{"content": "hi"}]}, 400, "messages[0]"),
+    ({"messages": HELLO, "temperature": "hot"}, 400, "temperature"),
+    ({"messages": HELLO, "max_tokens": 0}, 400, None),
+    ({"messages": HELLO, "top_p": 0}, 400, None),
+    ({"messages": HELLO, "n": 2}, 400, "n"),
+    ({"messages": HELLO, "stop": [1, 2]}, 400, "stop"),
+    ({"messages": HELLO, "draft_mode": "telepathy"}, 400, "draft_mode"),
+    ({"messages": HELLO, "gamma": 0}, 400, None),
+    ({"messages": HELLO, "prediction": "text"}, 400, "prediction"),
+    ({"messages": HELLO, "logprobs": True}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400, None),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, body, status, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = server.post("/chat/completions", **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert server.post("/chat/completions", json={"messages": HELLO, "max_tokens": 2}).status_code == 200
+
+
+def test_too_large_a_body_gets_413(server):
+    response = server.post("/chat/completions", content=b"x" * (9 << 20))
+    assert response.status_code == 413 and response.json()["error"]["message"]
+    assert not [line for line in server.lines if "Traceback" in line or " 500 " in line]
+
+
+def test_api_key_is_required_everywhere():
+    server = Server("--api-key", "s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            server.client(api_key="wrong").models.list()
+        assert httpx.get(server.url.removesuffix("/v1") + "/health").status_code == 401
+        reply = server.client(api_key="s3cret").chat.completions.create(model="m", messages=HELLO, max_tokens=4)
+        assert reply.choices[0].message.content
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_port_in_use_is_one_line(server, capsys):
+    from edgespec.cli import main
+
+    port = server.url.split(":")[-1].split("/")[0]
+    assert main(["serve", "--pair", "smollm2-self", "--port", port]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot listen" in err[0] and "--port" in err[0]
+
+
+def test_serve_help_and_server_log_is_clean(server):
+    assert "Traceback" not in "".join(server.lines)
+    done = subprocess.run([sys.executable, "-m", "edgespec", "serve", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--api-key" in done.stdout and "127.0.0.1" in done.stdout
