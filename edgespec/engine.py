@@ -168,7 +168,12 @@ class Generation:
 
 class Engine:
     """A target model, optionally with a drafter. Use as a context manager, or
-    call close(), to free llama.cpp's memory."""
+    call close(), to free llama.cpp's memory.
+
+    Use an engine (from load() on) from one thread: with llama.cpp's OpenMP builds each
+    thread that runs a model gets a thread team of its own, and once the teams outnumber
+    the cores every pass slows down (by a quarter on 2 cores, measured). The chat app and
+    the server keep all engine work on one dedicated thread."""
 
     def __init__(
         self,

@@ -6,6 +6,7 @@ Each one answers, or fails with the one-line error the README promises."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -65,7 +66,7 @@ def test_generate_matrix(capsys, sources, source, mode, gamma, sampling):
 def test_generate_streams_with_options(capsys, sources, source, extra):
     code, out, err = run(capsys, "generate", PROMPT, *sources[source], *FEW, *extra)
     assert code == 0, err
-    assert out.strip() and "tok/s" in err.splitlines()[-1]
+    assert re.search(r"\] [1-4] tokens, [\d.]+ tok/s", err.splitlines()[-1]), err  # (raw text may answer blanks)
     if "--stop" in extra:
         assert "blue" not in out
 

@@ -1,17 +1,21 @@
 """The chat app: conversation on the left, live speculation stats on the right.
 
-Loading models and generating run in worker threads; the UI thread only draws.
+Loading models and generating run on one engine thread, in order; the UI thread only
+draws, and the engine thread never waits for it.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from time import monotonic
 
-from textual import work
+from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
+from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import Footer, Header, Input
 
@@ -22,6 +26,14 @@ from .widgets import AssistantMessage, PairPicker, StatsPanel, UserMessage
 DRAFT_MODES = ("auto", "model", "copy", "hybrid")
 GAMMAS = ("auto", 1, 2, 3, 4, 6, 8, 16)
 REFRESH_S = 0.25  # redraw at most this often: drawing shares the CPU with llama.cpp
+
+
+class UiCall(Message):
+    """A call from the engine thread to be made on the app's thread."""
+
+    def __init__(self, callback, args: tuple) -> None:
+        super().__init__()
+        self.callback, self.args = callback, args
 
 
 class ChatApp(App):
@@ -71,7 +83,7 @@ class ChatApp(App):
         self._load_options = load_options
         self.last_stats: edgespec.Stats | None = None
         self._stop = threading.Event()
-        self._engine_lock = threading.Lock()  # held while a worker generates; closing an engine waits for it
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-engine")
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -86,26 +98,48 @@ class ChatApp(App):
         self.query_one(Input).focus()
 
     # --- models -------------------------------------------------------------
-    @work(thread=True, exclusive=True, group="engine")
+    def _on_engine_thread(self, blocking, *args) -> None:
+        """Run blocking engine work on the one engine thread, in order (see edgespec.Engine:
+        llama.cpp work from several threads slows every pass). It reports back with
+        _to_ui(), never waiting for the screen."""
+        self._engine_thread.submit(blocking, *args)
+
+    def _to_ui(self, callback, *args) -> None:
+        """From the engine thread: run callback(*args) on the app's thread, in order."""
+        self.post_message(UiCall(callback, args))
+
+    @on(UiCall)
+    async def _ui_call(self, message: UiCall) -> None:
+        result = message.callback(*message.args)
+        if inspect.isawaitable(result):
+            await result
+
     def load_engine(self, pair=None, target=None, draft=None) -> None:
-        self.call_from_thread(self._set_busy, True)
+        self._stop.set()  # an answer in progress ends at its next round
+        self._set_busy(True)
+        self._on_engine_thread(self._load, pair, target, draft)
+
+    def _load(self, pair, target, draft) -> None:
         try:
             if pair and not any(p.name == pair and p.downloaded for p in edgespec.pairs()):
-                self.call_from_thread(self.notify, f"Downloading and verifying '{pair}'…", timeout=30)
+                self._to_ui(self.notify, f"Downloading and verifying '{pair}'…")
                 edgespec.pull_models([pair], progress=False)
             engine = edgespec.load(pair, target=target, draft=draft, progress=False, **self._load_options)
         except edgespec.EdgespecError as e:
-            self.call_from_thread(self.notify, str(e), title="Could not load models", severity="error", timeout=15)
+            self._to_ui(self._load_failed, str(e))
         else:
-            self.call_from_thread(self._engine_ready, engine)
+            self._close_engine()
+            self.engine = engine
+            self._to_ui(self._engine_ready, engine)
         finally:
-            self.call_from_thread(self._set_busy, False)
+            self._to_ui(self._set_busy, False)
+
+    def _load_failed(self, message: str) -> None:
+        self.notify(message, title="Could not load models", severity="error", timeout=15)
 
     def _engine_ready(self, engine: edgespec.Engine) -> None:
-        self._close_engine()
-        self.engine = engine
         self.sub_title = engine.target.path.name + (
-            f" ← {engine.drafter.model.path.name}" if engine.drafter is not None else " (n-gram drafts only)"
+            f" ← {engine.drafter.model.path.name}" if engine.drafter is not None else " (copy drafts only)"
         )
         self.notify(f"Loaded {self.sub_title}")
 
@@ -140,10 +174,9 @@ class ChatApp(App):
         self.query_one(StatsPanel).reset()
         self.generate(self.answer)
 
-    @work(thread=True, exclusive=True, group="generate")
     def generate(self, answer: AssistantMessage) -> None:
         self._stop.clear()
-        self.call_from_thread(setattr, self, "generating", True)
+        self.generating = True
         settings = dict(
             speculative=self.speculation,
             draft_mode=self.draft_mode,
@@ -151,25 +184,27 @@ class ChatApp(App):
             max_tokens=self.max_tokens,
             temperature=self.temperature,
         )
+        self._on_engine_thread(self._generate, answer, list(self.messages), settings)
+
+    def _generate(self, answer: AssistantMessage, messages: list[dict], settings: dict) -> None:
         pieces: list[tuple[str, str | None]] = []
         shown = monotonic()
         stats = None
         try:
-            with self._engine_lock:
-                events = self.engine.stream(self.messages, **settings)
-                for event in events:
-                    pieces.append((event.text, event.source))
-                    stats = event.stats
-                    if self._stop.is_set():
-                        break
-                    if event.done or monotonic() - shown > REFRESH_S:
-                        self.call_from_thread(self._show, answer, pieces, stats)
-                        pieces, shown = [], monotonic()
-                events.close()  # after a stop: the KV caches hold exactly what was generated
+            events = self.engine.stream(messages, **settings)
+            for event in events:
+                pieces.append((event.text, event.source))
+                stats = event.stats
+                if self._stop.is_set():
+                    break
+                if event.done or monotonic() - shown > REFRESH_S:
+                    self._to_ui(self._show, answer, pieces, stats)
+                    pieces, shown = [], monotonic()
+            events.close()  # after a stop: the KV caches hold exactly what was generated
         except edgespec.EdgespecError as e:
-            self.call_from_thread(self.notify, f"{e}. Press ctrl+n for a new conversation.", severity="error")
+            self._to_ui(self.notify, f"{e}. Press ctrl+n for a new conversation.", severity="error")
         finally:
-            self.call_from_thread(self._finished, answer, pieces, stats)
+            self._to_ui(self._finished, answer, pieces, stats)
 
     async def _show(self, answer: AssistantMessage, pieces, stats: edgespec.Stats) -> None:
         await answer.add(pieces)
@@ -185,6 +220,7 @@ class ChatApp(App):
             self.last_stats = stats
             if stats.finish_reason == "context":
                 self.notify("The context is full. Press ctrl+n to start a new conversation.", severity="warning")
+        answer.streaming = False
         self.messages.append({"role": "assistant", "content": answer.text})
 
     # --- keys ---------------------------------------------------------------
@@ -229,14 +265,16 @@ class ChatApp(App):
             self.notify("Copied the last answer")
 
     def _close_engine(self) -> None:
-        self._stop.set()
-        with self._engine_lock:  # a generating worker stops within one round
-            if self.engine is not None:
-                self.engine.close()
-                self.engine = None
+        """On the engine thread: free the engine (an answer in progress has ended: the
+        thread runs one thing at a time)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def on_unmount(self) -> None:
-        self._close_engine()
+        self._stop.set()
+        self._on_engine_thread(self._close_engine)
+        self._engine_thread.shutdown(wait=True)  # the engine thread never waits for the screen
 
 
 def run(**options) -> None:
