@@ -10,7 +10,7 @@ from time import perf_counter
 import numpy as np
 
 from . import calibration
-from .chat import Message, render
+from .chat import Message, PromptTooLong, render
 from .controller import Controller, check_mode, expected_tokens
 from .drafters import CopyDrafter, Drafter
 from .errors import EdgespecError
@@ -19,6 +19,7 @@ from .sampling import SamplingParams, distribution, position_uniforms, verify, v
 from .text import TextStream
 
 Prompt = str | Sequence[Message]
+MAX_CHARS_PER_TOKEN = 256  # longer than any token of the tokenizers we know (Qwen2.5's longest: 128 bytes)
 
 
 def check_gamma(gamma: int) -> int:
@@ -239,11 +240,6 @@ class Engine:
         check_max_tokens(max_tokens)
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
         tokens = self.prompt_tokens(prompt, raw=raw)
-        if len(tokens) >= self.target.n_ctx:
-            raise EdgespecError(
-                f"the prompt is {len(tokens)} tokens but the context holds {self.target.n_ctx}; "
-                "shorten the prompt or raise --ctx"
-            )
         controller = self._controller(mode, gamma)
         self.copy.set_prediction(self.target.tokenize(prediction, add_special=False) if prediction else None)
         return self._generate(tokens, controller, params, max_tokens, stop)
@@ -264,6 +260,9 @@ class Engine:
 
     def prompt_tokens(self, prompt: Prompt, *, raw: bool = False) -> list[int]:
         target = self.target
+        # a text this long cannot fit in the context whatever its tokens: refused before
+        # llama.cpp's tokenizer spends seconds (and memory) on it
+        max_chars = MAX_CHARS_PER_TOKEN * target.n_ctx
         if raw:
             if not isinstance(prompt, str):
                 raise EdgespecError("a raw prompt must be a string, not a list of messages")
@@ -274,13 +273,25 @@ class Engine:
             if template is None:
                 raise EdgespecError(f"{target.path.name} has no chat template; send plain text with --raw")
             bos, eos = (target.token_text(t).decode("utf-8", "replace") for t in (target.bos, target.eos))
-            text = render(template, messages, bos_token=bos, eos_token=eos)
+            try:
+                text = render(template, messages, bos_token=bos, eos_token=eos, max_chars=max_chars)
+            except PromptTooLong as e:
+                raise self._too_long(f"{e.n_chars} characters") from None
+        if len(text) > max_chars:
+            raise self._too_long(f"{len(text)} characters")
         tokens = target.tokenize(text, add_special=True, parse_special=True)
         if not tokens:
             raise EdgespecError("the prompt is empty; give some text")
         if len(tokens) > 1 and tokens[0] == tokens[1] == target.bos:  # template wrote BOS and so did add_special
             tokens = tokens[1:]
+        if len(tokens) >= target.n_ctx:
+            raise self._too_long(f"{len(tokens)} tokens")
         return tokens
+
+    def _too_long(self, size: str) -> EdgespecError:
+        return EdgespecError(
+            f"the prompt is {size} but the context holds {self.target.n_ctx} tokens; shorten the prompt or raise --ctx"
+        )
 
     def _controller(self, mode: str, gamma: int | None) -> Controller:
         adaptive = mode != "off" and (mode == "auto" or gamma is None)

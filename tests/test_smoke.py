@@ -66,7 +66,7 @@ def test_generate_matrix(capsys, sources, source, mode, gamma, sampling):
 def test_generate_streams_with_options(capsys, sources, source, extra):
     code, out, err = run(capsys, "generate", PROMPT, *sources[source], *FEW, *extra)
     assert code == 0, err
-    assert re.search(r"\] [1-4] tokens, [\d.]+ tok/s", err.splitlines()[-1]), err  # (raw text may answer blanks)
+    assert re.search(r"\] [0-4] tokens, [\d.]+ tok/s", err.splitlines()[-1]), err  # (raw text may end at once)
     if "--stop" in extra:
         assert "blue" not in out
 
@@ -195,7 +195,7 @@ def test_engine_with_a_custom_drafter(smollm2, draft_mode, gamma):
     engine = Engine(smollm2, RepeatLastDrafter(), gamma=gamma, draft_mode=draft_mode, owned=[])
     for temperature in (0, 0.8):
         check(engine.generate(PROMPT, max_tokens=6, temperature=temperature, seed=1), 6)
-    if draft_mode == "model":
+    if draft_mode == "model" and gamma:  # a fixed mode and length draft every round (auto may choose none)
         assert engine.generate(PROMPT, max_tokens=6).stats.rounds_by_source.get("model", 0) > 0
 
 

@@ -31,9 +31,9 @@ REFRESH_S = 0.25  # redraw at most this often: drawing shares the CPU with llama
 class UiCall(Message):
     """A call from the engine thread to be made on the app's thread."""
 
-    def __init__(self, callback, args: tuple) -> None:
+    def __init__(self, callback, args: tuple, kwargs: dict) -> None:
         super().__init__()
-        self.callback, self.args = callback, args
+        self.callback, self.args, self.kwargs = callback, args, kwargs
 
 
 class ChatApp(App):
@@ -102,15 +102,19 @@ class ChatApp(App):
         """Run blocking engine work on the one engine thread, in order (see edgespec.Engine:
         llama.cpp work from several threads slows every pass). It reports back with
         _to_ui(), never waiting for the screen."""
-        self._engine_thread.submit(blocking, *args)
+        self._engine_thread.submit(blocking, *args).add_done_callback(self._report_failure)
 
-    def _to_ui(self, callback, *args) -> None:
-        """From the engine thread: run callback(*args) on the app's thread, in order."""
-        self.post_message(UiCall(callback, args))
+    def _report_failure(self, future) -> None:
+        if (error := future.exception()) is not None:  # a bug of ours: say so instead of hanging
+            self._to_ui(self.notify, f"internal error: {type(error).__name__}: {error}", severity="error")
+
+    def _to_ui(self, callback, *args, **kwargs) -> None:
+        """From the engine thread: run callback(*args, **kwargs) on the app's thread, in order."""
+        self.post_message(UiCall(callback, args, kwargs))
 
     @on(UiCall)
     async def _ui_call(self, message: UiCall) -> None:
-        result = message.callback(*message.args)
+        result = message.callback(*message.args, **message.kwargs)
         if inspect.isawaitable(result):
             await result
 

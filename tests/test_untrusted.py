@@ -1,0 +1,121 @@
+"""Hostile chat templates, as real GGUF files (SmolLM2 re-written with the gguf package):
+each ends in the one-line error, quickly, with the program's memory untouched, and the
+program keeps working: on the command line, in the library, in the server, in the chat app."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+
+import gguf
+import httpx
+import pytest
+from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata, get_field_data
+from test_cli import assert_one_line_error, run
+
+import edgespec
+from edgespec.engine import MAX_CHARS_PER_TOKEN
+
+HOSTILE = {
+    "huge-string": "{{ 'a' * 10**10 }}",
+    "huge-list": "{% set x = [0] * 10**9 %}{{ x | length }}",
+    "nested-loops": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "huge-range": "{% for i in range(10**9) %}{% endfor %}",
+    "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+    "huge-power": "{{ 10 ** (10 ** 8) }}",  # (Jinja reads 10 ** 10 ** 8 as (10 ** 10) ** 8: harmless)
+    "content-bomb": "{% for m in messages %}{{ m.content * 100000000 }}{% endfor %}",
+    "class-escape": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "globals-escape": "{{ cycler.__init__.__globals__.os.system('echo pwned') }}",
+    "filter-bomb": "{{ 'x' | center(10**9) }}",
+    "lorem-bomb": "{{ lipsum(n=10**7) }}",
+    "join-bomb": "{{ (range(99999) | join(' ')) * 100000 }}",
+}
+
+TOO_LONG = {"content-bomb"}  # this one fits in the renderer's memory: its prompt is too long
+
+
+def with_chat_template(source, destination, template: str):
+    """A copy of a GGUF with another tokenizer.chat_template (as gguf-new-metadata does)."""
+    reader = gguf.GGUFReader(source, "r")
+    writer = gguf.GGUFWriter(destination, arch=get_field_data(reader, gguf.Keys.General.ARCHITECTURE))
+    new = {gguf.Keys.Tokenizer.CHAT_TEMPLATE: MetadataDetails(gguf.GGUFValueType.STRING, template)}
+    copy_with_new_metadata(reader, writer, new, [])
+    return destination
+
+
+@pytest.fixture(scope="module")
+def hostile_models(smollm2_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hostile")
+    return {name: with_chat_template(smollm2_path, folder / f"{name}.gguf", t) for name, t in HOSTILE.items()}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_template_is_one_line_quickly(capsys, hostile_models, name):
+    before, start = peak_rss_mib(), time.monotonic()
+    code, out, err = run(capsys, "generate", "hi", "--target", str(hostile_models[name]), "--ctx", "512")
+    elapsed = time.monotonic() - start
+    if name in TOO_LONG:  # rendered, then refused before tokenizing
+        assert_one_line_error(code, err, "context holds 512 tokens", "--ctx")
+    else:
+        assert_one_line_error(code, err, "chat template", "--raw")
+    assert "pwned" not in out + err
+    assert elapsed < 10, f"{name} took {elapsed:.1f} s"  # the renderer is killed after 2 s; loading is the rest
+    assert peak_rss_mib() - before < 200  # the template's memory was never ours
+
+
+def test_the_program_keeps_working_after_hostile_templates(hostile_models, smollm2_path):
+    with edgespec.load(target=str(hostile_models["nested-loops"]), n_ctx=512, progress=False) as bad:
+        with pytest.raises(edgespec.EdgespecError, match="more than 2 s"):
+            bad.generate("hi", max_tokens=4)
+        assert bad.generate("plain text still works", raw=True, max_tokens=4, temperature=0).tokens
+    with edgespec.load(target=str(smollm2_path), n_ctx=512, progress=False) as good:
+        assert good.generate("Say hi.", max_tokens=4, temperature=0).tokens
+
+
+def test_an_absurdly_long_prompt_is_refused_before_tokenizing(smollm2_path):
+    with edgespec.load(target=str(smollm2_path), n_ctx=512, progress=False) as engine:
+        huge = "word " * (MAX_CHARS_PER_TOKEN * 512)
+        for kwargs in ({"raw": True}, {}):
+            start = time.monotonic()
+            with pytest.raises(edgespec.EdgespecError, match="context holds 512 tokens"):
+                engine.generate(huge, **kwargs)
+            assert time.monotonic() - start < 10
+
+
+def test_the_server_answers_400_and_keeps_serving(hostile_models):
+    from test_server import Server
+
+    server = Server("--target", str(hostile_models["nested-loops"]), "--ctx", "512")
+    try:
+        start = time.monotonic()
+        response = server.post("/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 400 and "chat template" in response.json()["error"]["message"]
+        assert time.monotonic() - start < 10
+        assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+        completion = server.post("/completions", json={"prompt": "Once upon a time", "max_tokens": 4})
+        assert completion.status_code == 200
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_chat_app_notifies_and_stays_up(hostile_models):
+    from test_tui import wait_for
+
+    from tui.app import ChatApp
+
+    async def main():
+        app = ChatApp(target=str(hostile_models["huge-string"]), n_ctx=512, max_tokens=8)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+            app.query_one("#prompt").value = "hi"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: any("chat template" in n.message for n in app._notifications))
+            await wait_for(pilot, lambda: not app.generating)
+            assert app.is_running
+
+    asyncio.run(main())
