@@ -8,9 +8,11 @@ token (1-8, 16, 32, 64), the controller only plans passes of those sizes, and si
 that real rounds happen to use become points too.
 
 Measured once per machine (about 2 s for a 1.5B model on 2 cores), cached in the
-model cache, moved by the timings of real rounds, and measured again from time to
-time (RECHECK_S): a curve measured while the machine was busy must not stick, even
-for a drafter the controller has stopped using because it looked too slow.
+model cache, moved by the timings of real rounds, and each point measured again once
+it is older than RECHECK_S: a curve measured while the machine was busy must not
+stick, even for pass sizes or a drafter the controller has stopped using because
+they looked too slow. A pass over k tokens never costs more than k single steps
+(BATCH_SLACK): a point timed above that was disturbed, is timed again and bounded.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ SMOOTH_UP_TO = 8  # below this V(k) is close to linear: any k may be planned, in
 MAX_K = 65  # up to a 64-token copy draft plus the token before it
 DRIFT_WEIGHT = 0.05  # weight of one real round in the whole curve's scale (the machine's speed drifts)
 POINT_WEIGHT = 0.25  # ... and in the point it measured
-RECHECK_S = 600.0  # measure cached points again when they are older than this
+RECHECK_S = 600.0  # measure a point again when it is older than this
+FLASH_RECHECK_S = 86400.0  # choose flash attention again (at load) when the choice is older than this
+# a pass over k tokens costs at most k single steps (measured here: 1.9 for 2, 6.95 for 8);
+# a time above this bound was disturbed by other load
+BATCH_SLACK = 1.1
+MEASURE_RETRIES = 2  # times a disturbed point is timed again
 PROBE_DEPTH = 16  # tokens in the cache while timing (a deeper cache costs seconds to fill)
 FLASH_PROBE_SIZES = (1, 16)  # decode and a verify pass, timed with flash attention on and off
 # On a CPU flash attention loses ground as the cache grows (measured on a 2-core EPYC, 1.5B
@@ -48,10 +55,16 @@ class CostCurve:
     """Seconds for one forward pass over k tokens of one model: measured points,
     linear in between, the last slope beyond."""
 
-    def __init__(self, points: dict[int, float], checked_at: float | None = None) -> None:
-        self.points = dict(points)
-        self.checked_at = time.time() if checked_at is None else checked_at  # when last measured
-        self._recheck_index = 0
+    def __init__(self, points: dict[int, float], checked: dict[int, float] | None = None) -> None:
+        self.points: dict[int, float] = {}
+        for k in sorted(points):  # the single step first: it bounds the others
+            self._set(k, points[k])
+        now = time.time()
+        self.checked = {k: now for k in points} if checked is None else dict(checked)  # when each was timed
+
+    def _set(self, k: int, seconds: float) -> None:
+        bound = k * self.points[1] * BATCH_SLACK if k != 1 and 1 in self.points else math.inf
+        self.points[k] = min(seconds, bound)
 
     def __call__(self, k: int) -> float:
         k = min(k, MAX_K)
@@ -75,36 +88,49 @@ class CostCurve:
 
     def observe(self, k: int, seconds: float) -> None:
         """Fold in a real round's timing: a little into the whole curve (the machine's
-        speed drifts for all k together), more into the point itself (its own shape).
+        speed drifts for all k together), more into the point itself (its own shape),
+        except for the single step: it is the unit the others are counted in, so a
+        passing slowdown of single steps alone must not make passes look cheap.
         Clipped, so one outlier (a page fault) moves it little."""
         k = min(k, MAX_K)
         ratio = min(max(seconds / self(k), 0.5), 2.0)
         for x in self.points:
             self.points[x] *= 1 + DRIFT_WEIGHT * (ratio - 1)
-        # a size the curve only interpolated becomes a point of its own
-        self.points[k] = self(k) * (1 + POINT_WEIGHT * (ratio - 1))
+        if k != 1:  # a size the curve only interpolated becomes a point of its own
+            self._set(k, self(k) * (1 + POINT_WEIGHT * (ratio - 1)))
+            self.checked.setdefault(k, time.time())
 
     def recheck(self, k: int, seconds: float) -> None:
         """Fold in a fresh measurement: a lower time is taken at once (other load only
         ever adds time, so the old one was measured on a busy machine); a higher one
         halfway (the machine may have become slower, or be busy now)."""
         old = self(k)
-        self.points[k] = seconds if seconds < old else (old + seconds) / 2
+        self._set(k, seconds if seconds < old else (old + seconds) / 2)
+        self.checked[k] = time.time()
 
-    def next_recheck_sizes(self) -> list[int]:
-        """Each re-check times the single step and one other point, in turn."""
-        others = [k for k in sorted(self.points) if k != 1]
-        if not others:
-            return [1]
-        self._recheck_index = (self._recheck_index + 1) % len(others)
-        return [1, others[self._recheck_index]]
+    def due(self) -> list[int]:
+        """What to time again now: once the point checked longest ago is older than
+        RECHECK_S, that point and the single step (timed under the same load); else nothing.
+        One point per call keeps each re-check short; a stale curve is renewed over a
+        few answers."""
+        stalest = min(self.points, key=lambda k: self.checked.get(k, 0.0))
+        if time.time() - self.checked.get(stalest, 0.0) <= RECHECK_S:
+            return []
+        return sorted({1, stalest} & self.points.keys())
 
     def to_json(self) -> dict:
-        return {"points": {str(k): v for k, v in self.points.items()}, "checked_at": self.checked_at}
+        return {"points": _str_keys(self.points), "checked": _str_keys(self.checked)}
 
     @classmethod
     def from_json(cls, data: dict) -> CostCurve:
-        return cls({int(k): float(v) for k, v in data["points"].items()}, data["checked_at"])
+        return cls(
+            {int(k): float(v) for k, v in data["points"].items()},
+            {int(k): float(v) for k, v in data["checked"].items()},
+        )
+
+
+def _str_keys(d: dict[int, float]) -> dict[str, float]:
+    return {str(k): v for k, v in d.items()}
 
 
 # --- the cache --------------------------------------------------------------------
@@ -181,10 +207,16 @@ _probed: dict[str, dict[int, float]] = {}
 
 
 def measure(model: Model, sizes) -> CostCurve:
-    """Time each size: the single step a few times, the others once."""
+    """Time each size: the single step a few times, the others once, and again (keeping
+    the fastest) where a pass cost more than its tokens one at a time would."""
     sizes = [k for k in sizes if PROBE_DEPTH + k < model.n_ctx]
     known = _probed.get(_key(model, ()), {})
     points = {k: known[k] if k in known else _time(model, k, 3 if k == 1 else 1) for k in sizes}
+    for k in sizes:
+        for _ in range(MEASURE_RETRIES):
+            if k == 1 or points[k] <= k * points[1] * BATCH_SLACK:
+                break
+            points[k] = min(points[k], _time(model, k, 1))
     return CostCurve(points)
 
 
@@ -206,35 +238,34 @@ def save(model: Model, sizes, curve: CostCurve) -> None:
 
 
 def recheck(curves: list[tuple[Model, CostCurve]]) -> None:
-    """Measure again, alternating between the models so that both see the same load,
-    a point or two of each curve whose last check is older than RECHECK_S."""
-    stale = [(model, curve) for model, curve in curves if time.time() - curve.checked_at > RECHECK_S]
-    plans = [(model, curve, curve.next_recheck_sizes()) for model, curve in stale]
+    """Measure again what is due (CostCurve.due), alternating between the models so that
+    both see the same load."""
+    plans = [(model, curve, ks) for model, curve in curves if (ks := curve.due())]
     for attempt in range(2):
         for model, curve, ks in plans:
             for k in ks if attempt == 0 else ks[:1]:  # the cheap single step twice, the other point once
                 if not math.isnan(seconds := _time(model, k, 1)):  # NaN: no room left in the context
                     curve.recheck(k, seconds)
-    for _, curve, _ in plans:
-        curve.checked_at = time.time()
 
 
 def choose_flash_attn(model: Model) -> bool:
     """Flash attention on or off, whichever decodes and verifies faster on this machine
     (measured once, cached; see FLASH_MARGIN): it wins on some CPUs and loses on others.
-    Leaves the model's context set to the choice. On a GPU it is on."""
+    Leaves the model's context set to the choice. Chosen again after FLASH_RECHECK_S, in
+    case it was made on a busy machine. On a GPU it is on."""
     if model.n_gpu_layers > 0:
         model.set_flash_attn(True)
         return True
     key = f"{_setup(model)}|flash_attn"
     choice = _read_store().get(key)
-    if choice is None:
+    if not isinstance(choice, dict) or time.time() - choice.get("checked_at", 0.0) > FLASH_RECHECK_S:
         points = {}
         for flash_attn in (True, False):
             model.set_flash_attn(flash_attn)
             points[flash_attn] = {k: _time(model, k, 3 if k == 1 else 1) for k in FLASH_PROBE_SIZES}
             _probed[_key(model, ())] = points[flash_attn]
-        choice = all(points[True][k] < (1 - FLASH_MARGIN) * points[False][k] for k in FLASH_PROBE_SIZES)
+        on = all(points[True][k] < (1 - FLASH_MARGIN) * points[False][k] for k in FLASH_PROBE_SIZES)
+        choice = {"on": on, "checked_at": time.time()}
         _write(key, choice)
-    model.set_flash_attn(bool(choice))
-    return bool(choice)
+    model.set_flash_attn(bool(choice["on"]))
+    return bool(choice["on"])

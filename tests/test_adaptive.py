@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -120,14 +122,48 @@ def test_cost_curve_interpolates_extrapolates_and_learns():
     assert 12 in curve.sizes(20)
     curve.observe(8, curve(8) * 1.2)  # a known point moves more than the rest
     assert curve(8) == pytest.approx(5.0 * 1.05 * 1.01 * 1.05) and curve(1) == pytest.approx(1.05 * 1.01)
+    steps = {k: v / curve(1) for k, v in curve.points.items()}
+    curve.observe(1, curve(1) * 1.6)  # single steps slowed down: the whole curve moves, its shape stays
+    assert curve(1) == pytest.approx(1.05 * 1.01 * 1.03)
+    assert {k: v / curve(1) for k, v in curve.points.items()} == pytest.approx(steps)
 
 
 def test_recheck_takes_a_lower_time_at_once_and_a_higher_one_halfway():
-    curve = CostCurve({1: 1.0, 2: 2.0}, checked_at=0.0)
-    curve.recheck(1, 0.5)
-    curve.recheck(2, 3.0)
-    assert curve.points == {1: 0.5, 2: 2.5}
-    assert curve.next_recheck_sizes() == [1, 2]
+    curve = CostCurve({1: 1.0, 2: 1.8}, checked={1: 0.0, 2: 0.0})
+    curve.recheck(1, 0.9)
+    curve.recheck(2, 2.2)
+    assert curve.points == {1: 0.9, 2: pytest.approx(1.98)}  # halfway to 2.2 is 2.0, over 2 steps x 1.1
+
+
+def test_each_stale_point_is_due_in_turn_with_the_single_step():
+    now = time.time()
+    curve = CostCurve({1: 1.0, 2: 1.8, 8: 6.0, 16: 8.0}, checked={1: now, 2: now, 8: 0.0, 16: 1.0})
+    assert curve.due() == [1, 8]
+    curve.recheck(1, 1.0), curve.recheck(8, 6.0)
+    assert curve.due() == [1, 16]
+    curve.recheck(1, 1.0), curve.recheck(16, 8.0)
+    assert curve.due() == []  # all checked within RECHECK_S
+
+
+def test_a_pass_never_costs_more_than_its_tokens_one_at_a_time():
+    """A curve timed while something else ran (the one a busy bench left in a real cache:
+    V(2) = 9.3 and V(64) = 94 single steps) is bounded when it is read: passes of k tokens
+    cost at most k steps (x BATCH_SLACK), so long copies are not ruled out for ever."""
+    busy = {1: 0.044, 2: 0.411, 4: 0.156, 8: 1.128, 16: 1.356, 64: 4.147}
+    curve = CostCurve.from_json(CostCurve(busy).to_json())
+    assert curve(4) == busy[4]
+    for k in (2, 8, 16, 64):
+        assert curve(k) == pytest.approx(k * 0.044 * calibration.BATCH_SLACK)
+    curve.observe(32, 100.0)  # even a real round's timing cannot push a point past it
+    assert curve(32) <= 32 * curve(1) * calibration.BATCH_SLACK
+
+
+def test_a_disturbed_point_is_timed_again(monkeypatch, smollm2):
+    times = {1: [1.0], 4: [9.0, 3.0]}  # the first 4-token pass ran beside something else
+    monkeypatch.setattr(calibration, "_time", lambda model, k, tries: times[k].pop(0))
+    monkeypatch.setattr(calibration, "_probed", {})
+    curve = calibration.measure(smollm2, (1, 4))
+    assert curve.points == {1: 1.0, 4: 3.0} and times[4] == []
 
 
 # --- calibration cache --------------------------------------------------------
@@ -160,12 +196,12 @@ def test_a_cost_measured_on_a_busy_machine_does_not_stick(tmp_path, monkeypatch,
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     draft = Model(smollm2_path, n_ctx=512)
     quiet = calibration.load_or_measure(draft, calibration.DRAFT_SIZES)
-    busy = CostCurve({k: 3 * v for k, v in quiet.points.items()}, checked_at=0.0)
+    busy = CostCurve({k: 3 * v for k, v in quiet.points.items()}, checked={k: 0.0 for k in quiet.points})
     calibration.save(draft, calibration.DRAFT_SIZES, busy)
     with Engine(smollm2, ModelDrafter(draft, smollm2.n_vocab), owned=[draft]) as engine:
         engine.generate("Hi", max_tokens=4, temperature=0)
         step = engine.cost_curve(draft, calibration.DRAFT_SIZES)
-        assert step(1) < 1.5 * quiet(1) and step.checked_at > 0
+        assert step(1) < 1.5 * quiet(1) and step.checked[1] > 0
     assert calibration.load_or_measure(draft, calibration.DRAFT_SIZES)(1) < 1.5 * quiet(1)
 
 
@@ -184,6 +220,20 @@ def test_flash_attention_is_chosen_once_and_reported(tmp_path, monkeypatch, smol
     engine = Engine(other, owned=[model, other])
     assert engine.generate("Hi", max_tokens=2, speculative=False).stats.flash_attn == choice
     engine.close()
+
+
+def test_flash_attention_is_chosen_again_after_a_day(tmp_path, monkeypatch, smollm2_path):
+    """A choice made on a busy machine must not stick either."""
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    model = Model(smollm2_path, n_ctx=512)
+    calibration.choose_flash_attn(model)
+    key = f"{calibration._setup(model)}|flash_attn"
+    calibration._write(key, {"on": True, "checked_at": time.time() - calibration.FLASH_RECHECK_S - 1})
+    times = {True: 2.0, False: 1.0}  # now flash attention is the slower
+    monkeypatch.setattr(calibration, "_time", lambda m, k, tries: times[m.flash_attn])
+    assert calibration.choose_flash_attn(model) is False and model.flash_attn is False
+    assert calibration._read_store()[key]["on"] is False
+    model.close()
 
 
 def test_auto_without_a_draft_model_never_plans_one():

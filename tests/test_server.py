@@ -116,6 +116,21 @@ def test_completions_models_and_health(server):
     assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
 
 
+def test_a_full_context_ends_with_length_and_says_so(server):
+    counting = ", ".join(str(i) for i in range(1, 200)) + ","  # ~890 tokens; the model keeps counting
+    done = server.client().completions.create(model="m", prompt=counting, max_tokens=CTX, temperature=0)
+    assert done.choices[0].finish_reason == "length"
+    # every token but the last entered the context: the last is sampled, never evaluated
+    assert done.usage.prompt_tokens + done.usage.completion_tokens <= CTX + 1
+    assert done.model_extra["speculative"]["finish_reason"] == "context"
+    deadline = time.monotonic() + 5  # the log line may reach our reader thread just after the response
+    while "the context window is full" not in "".join(server.lines):
+        assert time.monotonic() < deadline, "no log line about the full context"
+        time.sleep(0.05)
+    again = server.client().completions.create(model="m", prompt="The capital of France is", max_tokens=4)
+    assert again.choices[0].text  # and the server goes on
+
+
 def test_stop_strings_and_seeds(server):
     client = server.client()
     counting = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
