@@ -100,23 +100,27 @@ class CostCurve:
             self._set(k, self(k) * (1 + POINT_WEIGHT * (ratio - 1)))
             self.checked.setdefault(k, time.time())
 
-    def recheck(self, k: int, seconds: float) -> None:
-        """Fold in a fresh measurement: a lower time is taken at once (other load only
-        ever adds time, so the old one was measured on a busy machine); a higher one
-        halfway (the machine may have become slower, or be busy now)."""
-        old = self(k)
-        self._set(k, seconds if seconds < old else (old + seconds) / 2)
-        self.checked[k] = time.time()
+    def recheck(self, step: float, k: int, seconds: float) -> None:
+        """Fold in fresh timings of a single step and of a pass over k tokens, taken under
+        the same load. The step sets the scale of the whole curve, the pass its point's
+        ratio to the step (the curve's shape): each taken at once when lower (other load
+        only ever adds time: the old figure was measured on a busy machine), halfway when
+        higher (the machine may have become slower, or be busy now)."""
+        now = time.time()
+        scale = _toward(self.points[1], step) / self.points[1]
+        for x in self.points:
+            self.points[x] *= scale
+        self.checked[1] = now
+        if k != 1 and not math.isnan(seconds):  # NaN: no room left in the context for the pass
+            self._set(k, self.points[1] * _toward(self(k) / self.points[1], seconds / step))
+            self.checked[k] = now
 
-    def due(self) -> list[int]:
-        """What to time again now: once the point checked longest ago is older than
-        RECHECK_S, that point and the single step (timed under the same load); else nothing.
-        One point per call keeps each re-check short; a stale curve is renewed over a
-        few answers."""
-        stalest = min(self.points, key=lambda k: self.checked.get(k, 0.0))
-        if time.time() - self.checked.get(stalest, 0.0) <= RECHECK_S:
-            return []
-        return sorted({1, stalest} & self.points.keys())
+    def due(self) -> int | None:
+        """The point to time again now, with a single step (its unit): the one checked
+        longest ago, once that is older than RECHECK_S; else None. One point per answer
+        keeps each re-check short; a stale curve is renewed over a few answers."""
+        stalest = min(self.points, key=lambda k: (self.checked.get(k, 0.0), k == 1))
+        return stalest if time.time() - self.checked.get(stalest, 0.0) > RECHECK_S else None
 
     def to_json(self) -> dict:
         return {"points": _str_keys(self.points), "checked": _str_keys(self.checked)}
@@ -127,6 +131,10 @@ class CostCurve:
             {int(k): float(v) for k, v in data["points"].items()},
             {int(k): float(v) for k, v in data["checked"].items()},
         )
+
+
+def _toward(old: float, new: float) -> float:
+    return new if new < old else (old + new) / 2
 
 
 def _str_keys(d: dict[int, float]) -> dict[str, float]:
@@ -240,12 +248,17 @@ def save(model: Model, sizes, curve: CostCurve) -> None:
 def recheck(curves: list[tuple[Model, CostCurve]]) -> None:
     """Measure again what is due (CostCurve.due), alternating between the models so that
     both see the same load."""
-    plans = [(model, curve, ks) for model, curve in curves if (ks := curve.due())]
-    for attempt in range(2):
-        for model, curve, ks in plans:
-            for k in ks if attempt == 0 else ks[:1]:  # the cheap single step twice, the other point once
-                if not math.isnan(seconds := _time(model, k, 1)):  # NaN: no room left in the context
-                    curve.recheck(k, seconds)
+    plans = [(model, curve, k) for model, curve in curves if (k := curve.due()) is not None]
+    steps: dict[int, list[float]] = {id(curve): [] for _, curve, _ in plans}
+    passes: dict[int, float] = {}
+    for attempt in range(2):  # the cheap single step twice (the faster counts), the other point once
+        for model, curve, k in plans:
+            steps[id(curve)].append(_time(model, 1, 1))
+            if attempt == 0:
+                passes[id(curve)] = _time(model, k, 1)
+    for _, curve, k in plans:
+        if not math.isnan(step := min(steps[id(curve)])):  # NaN: no room left in the context
+            curve.recheck(step, k, passes[id(curve)])
 
 
 def choose_flash_attn(model: Model) -> bool:

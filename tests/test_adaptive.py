@@ -128,21 +128,23 @@ def test_cost_curve_interpolates_extrapolates_and_learns():
     assert {k: v / curve(1) for k, v in curve.points.items()} == pytest.approx(steps)
 
 
-def test_recheck_takes_a_lower_time_at_once_and_a_higher_one_halfway():
-    curve = CostCurve({1: 1.0, 2: 1.8}, checked={1: 0.0, 2: 0.0})
-    curve.recheck(1, 0.9)
-    curve.recheck(2, 2.2)
-    assert curve.points == {1: 0.9, 2: pytest.approx(1.98)}  # halfway to 2.2 is 2.0, over 2 steps x 1.1
+def test_recheck_takes_a_lower_figure_at_once_and_a_higher_one_halfway():
+    """The step scales the whole curve; the pass sets its point's ratio to the step."""
+    curve = CostCurve({1: 1.0, 2: 1.8, 8: 6.0}, checked={1: 0.0, 2: 0.0, 8: 0.0})
+    curve.recheck(0.5, 8, 2.0)  # quieter now: every point halves; 8 tokens cost 4 steps, not 6
+    assert curve.points == {1: 0.5, 2: 0.9, 8: 2.0}
+    curve.recheck(1.5, 2, 3.0)  # slower (or busy) now: halfway, shape kept; 2 tokens: 2 steps, not 1.8
+    assert curve.points == pytest.approx({1: 1.0, 2: 1.9, 8: 4.0})
 
 
-def test_each_stale_point_is_due_in_turn_with_the_single_step():
+def test_each_stale_point_is_due_in_turn():
     now = time.time()
-    curve = CostCurve({1: 1.0, 2: 1.8, 8: 6.0, 16: 8.0}, checked={1: now, 2: now, 8: 0.0, 16: 1.0})
-    assert curve.due() == [1, 8]
-    curve.recheck(1, 1.0), curve.recheck(8, 6.0)
-    assert curve.due() == [1, 16]
-    curve.recheck(1, 1.0), curve.recheck(16, 8.0)
-    assert curve.due() == []  # all checked within RECHECK_S
+    curve = CostCurve({1: 1.0, 2: 1.8, 8: 6.0, 16: 8.0}, checked={1: 0.0, 2: now, 8: 0.0, 16: 1.0})
+    assert curve.due() == 8  # the single step is timed with every re-check: others go first
+    curve.recheck(1.0, 8, 6.0)
+    assert curve.due() == 16
+    curve.recheck(1.0, 16, 8.0)
+    assert curve.due() is None  # all checked within RECHECK_S
 
 
 def test_a_pass_never_costs_more_than_its_tokens_one_at_a_time():
