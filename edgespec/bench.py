@@ -39,6 +39,17 @@ def load_prompts() -> list[dict]:
     return prompts
 
 
+def check_selection(modes: Sequence[str], prompts: Sequence[str] | None) -> None:
+    """Refuse unknown mode or prompt-class names (before any model is loaded)."""
+    classes = [p["name"] for p in load_prompts()]
+    for name in modes:
+        if name not in MODES:
+            raise EdgespecError(f"unknown bench mode '{name}'; use some of {', '.join(MODES)}")
+    for name in prompts or ():
+        if name not in classes:
+            raise EdgespecError(f"unknown bench prompt class '{name}'; use some of {', '.join(classes)}")
+
+
 def run_bench(
     engine: Engine,
     *,
@@ -53,9 +64,7 @@ def run_bench(
     """modes: which of MODES to run ("none", the baseline, always runs); prompts: which
     classes (default: all)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    for name in [*modes, *(prompts or ())]:
-        if name not in MODES and name not in [p["name"] for p in load_prompts()]:
-            raise EdgespecError(f"unknown bench mode or prompt '{name}'; modes: {', '.join(MODES)}")
+    check_selection(modes, prompts)
     modes = [m for m in MODES if (m == "none" or m in modes) and (engine.drafter or m not in ("model", "hybrid"))]
     if llama_baseline:
         modes.append("llama")

@@ -57,26 +57,31 @@ class CostCurve:
 
     def __init__(self, points: dict[int, float], checked: dict[int, float] | None = None) -> None:
         self.points: dict[int, float] = {}
+        self._table: np.ndarray | None = None  # V(0..MAX_K), rebuilt after a change (V is read many times a round)
         for k in sorted(points):  # the single step first: it bounds the others
             self._set(k, points[k])
         now = time.time()
         self.checked = {k: now for k in points} if checked is None else dict(checked)  # when each was timed
 
     def _set(self, k: int, seconds: float) -> None:
-        bound = k * self.points[1] * BATCH_SLACK if k != 1 and 1 in self.points else math.inf
-        self.points[k] = min(seconds, bound)
+        self.points[k] = min(seconds, _bound(k, self.points[1])) if k != 1 and 1 in self.points else seconds
+        self._table = None
+
+    def _scale(self, factor: float) -> None:
+        for k in self.points:
+            self.points[k] *= factor
+        self._table = None
 
     def __call__(self, k: int) -> float:
-        k = min(k, MAX_K)
-        if k in self.points:
-            return self.points[k]
-        ks = sorted(self.points)
-        if len(ks) == 1:
-            return self.points[ks[0]] * k / ks[0]
-        if k > ks[-1]:
-            slope = (self.points[ks[-1]] - self.points[ks[-2]]) / (ks[-1] - ks[-2])
-            return self.points[ks[-1]] + slope * (k - ks[-1])
-        return float(np.interp(k, ks, [self.points[x] for x in ks]))
+        if self._table is None:
+            ks = sorted(self.points)
+            values = [self.points[x] for x in ks]
+            if len(ks) == 1:
+                ks, values = [0, *ks], [0.0, *values]  # one point: proportional
+            slope = (values[-1] - values[-2]) / (ks[-1] - ks[-2])
+            k_all = np.arange(MAX_K + 1)
+            self._table = np.where(k_all <= ks[-1], np.interp(k_all, ks, values), values[-1] + slope * (k_all - ks[-1]))
+        return float(self._table[min(k, MAX_K)])
 
     def sizes(self, limit: int) -> list[int]:
         """Pass sizes worth planning, up to `limit`: any small one, else only known points."""
@@ -94,8 +99,7 @@ class CostCurve:
         Clipped, so one outlier (a page fault) moves it little."""
         k = min(k, MAX_K)
         ratio = min(max(seconds / self(k), 0.5), 2.0)
-        for x in self.points:
-            self.points[x] *= 1 + DRIFT_WEIGHT * (ratio - 1)
+        self._scale(1 + DRIFT_WEIGHT * (ratio - 1))
         if k != 1:  # a size the curve only interpolated becomes a point of its own
             self._set(k, self(k) * (1 + POINT_WEIGHT * (ratio - 1)))
             self.checked.setdefault(k, time.time())
@@ -107,9 +111,7 @@ class CostCurve:
         only ever adds time: the old figure was measured on a busy machine), halfway when
         higher (the machine may have become slower, or be busy now)."""
         now = time.time()
-        scale = _toward(self.points[1], step) / self.points[1]
-        for x in self.points:
-            self.points[x] *= scale
+        self._scale(_toward(self.points[1], step) / self.points[1])
         self.checked[1] = now
         if k != 1 and not math.isnan(seconds):  # NaN: no room left in the context for the pass
             self._set(k, self.points[1] * _toward(self(k) / self.points[1], seconds / step))
@@ -131,6 +133,11 @@ class CostCurve:
             {int(k): float(v) for k, v in data["points"].items()},
             {int(k): float(v) for k, v in data["checked"].items()},
         )
+
+
+def _bound(k: int, step: float) -> float:
+    """The most a pass over k tokens can cost: k single steps (and the slack)."""
+    return k * step * BATCH_SLACK
 
 
 def _toward(old: float, new: float) -> float:
@@ -222,7 +229,7 @@ def measure(model: Model, sizes) -> CostCurve:
     points = {k: known[k] if k in known else _time(model, k, 3 if k == 1 else 1) for k in sizes}
     for k in sizes:
         for _ in range(MEASURE_RETRIES):
-            if k == 1 or points[k] <= k * points[1] * BATCH_SLACK:
+            if k == 1 or points[k] <= _bound(k, points[1]):
                 break
             points[k] = min(points[k], _time(model, k, 1))
     return CostCurve(points)
@@ -249,16 +256,14 @@ def recheck(curves: list[tuple[Model, CostCurve]]) -> None:
     """Measure again what is due (CostCurve.due), alternating between the models so that
     both see the same load."""
     plans = [(model, curve, k) for model, curve in curves if (k := curve.due()) is not None]
-    steps: dict[int, list[float]] = {id(curve): [] for _, curve, _ in plans}
-    passes: dict[int, float] = {}
-    for attempt in range(2):  # the cheap single step twice (the faster counts), the other point once
-        for model, curve, k in plans:
-            steps[id(curve)].append(_time(model, 1, 1))
-            if attempt == 0:
-                passes[id(curve)] = _time(model, k, 1)
-    for _, curve, k in plans:
-        if not math.isnan(step := min(steps[id(curve)])):  # NaN: no room left in the context
-            curve.recheck(step, k, passes[id(curve)])
+    steps: list[list[float]] = [[] for _ in plans]
+    passes = [_time(model, k, 1) for model, _, k in plans]
+    for _ in range(2):  # the cheap single step twice (the faster counts)
+        for (model, _, _), times in zip(plans, steps, strict=True):
+            times.append(_time(model, 1, 1))
+    for (_, curve, k), times, seconds in zip(plans, steps, passes, strict=True):
+        if not math.isnan(step := min(times)):  # NaN: no room left in the context
+            curve.recheck(step, k, seconds)
 
 
 def choose_flash_attn(model: Model) -> bool:

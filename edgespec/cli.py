@@ -190,26 +190,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
-    from .bench import print_report, run_bench
 
     _check(args)
     if args.repeats < 1:
         raise EdgespecError(f"repeats must be >= 1, got {args.repeats}")
+    modes = args.modes.split(",") if args.modes else bench.MODES
+    prompts = args.prompts.split(",") if args.prompts else None
+    bench.check_selection(modes, prompts)
     with _load(args) as engine:
-        report = run_bench(
+        report = bench.run_bench(
             engine,
             repeats=args.repeats,
             max_tokens=args.max_tokens,
             gamma=args.gamma if isinstance(args.gamma, int) else None,
             progress=not args.json,
             llama_baseline=args.llama_baseline,
-            modes=args.modes.split(",") if args.modes else bench.MODES,
-            prompts=args.prompts.split(",") if args.prompts else None,
+            modes=modes,
+            prompts=prompts,
         )
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print_report(report)
+        bench.print_report(report)
     return 0
 
 

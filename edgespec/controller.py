@@ -5,11 +5,13 @@ expected tokens per second, or no draft at all.
     rate(off)        = 1 / V(1)
 
 V(k) is the measured cost of one target pass over k tokens (calibration.py), the
-draft cost is γ draft-model steps (an n-gram lookup costs nothing) and α is each
-drafter's acceptance rate, learnt online in this request: each plan uses a draw
-from α's posterior (Thompson sampling), so a drafter with little evidence gets
-tried and one that keeps losing is left off. Old evidence decays toward the
-prior, so a drafter switched off for losing is tried again later.
+draft cost is γ draft-model steps (a copy costs nothing) and α is each
+drafter's acceptance rate, learnt online in this request. A copy's α (per length
+of its alignment) is learnt from every token the target writes while a copy is
+aligned, drafted or not, so it needs no exploring; the draft model's plans use a
+draw from α's posterior (Thompson sampling), so it gets tried on little evidence
+and is left off when it keeps losing. Old evidence decays toward the prior, so a
+drafter switched off for losing is tried again later.
 """
 
 from __future__ import annotations

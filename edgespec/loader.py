@@ -84,10 +84,10 @@ def load(
 
     pair: a pair name from models.toml (default: its default_pair) — or give
     target (and draft) as registry names or .gguf paths; without a draft model
-    only the free n-gram drafter is there. gamma (an int, or "auto") and
+    only the free copy drafter is there. gamma (an int, or "auto") and
     draft_mode (auto, model, copy, hybrid, off) are the engine's defaults;
     auto measures this machine's costs at first use and chooses per round.
-    Flash attention is on or off, whichever this machine runs faster (measured once).
+    Flash attention is on or off, whichever this machine runs faster (measured at load, once a day).
     n_gpu_layers offloads layers on Metal/CUDA builds.
     Raises EdgespecError with a one-sentence reason for bad input."""
     if gamma is not None and gamma != "auto":

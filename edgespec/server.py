@@ -119,24 +119,25 @@ def _options(body: dict) -> dict:
         raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
     if stop and len(stop) > MAX_STOP:
         raise ApiError(400, f"at most {MAX_STOP} stop strings", "stop")
-    max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,), 512)
+    max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
     draft_mode = _get(body, "draft_mode", (str,))
     if draft_mode is not None and draft_mode not in MODES:
         raise ApiError(400, f"'draft_mode' must be one of {', '.join(MODES)}", "draft_mode")
     gamma = body.get("gamma")
     if gamma is not None and gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int)):
         raise ApiError(400, "'gamma' must be an integer or \"auto\"", "gamma")
-    options = {
+    given = {
         "max_tokens": max_tokens,
-        "stop": stop or (),
-        "temperature": _get(body, "temperature", (int, float), 0.8),
-        "top_p": _get(body, "top_p", (int, float), 0.95),
-        "top_k": _get(body, "top_k", (int,), 40),
-        "min_p": _get(body, "min_p", (int, float), 0.05),
+        "stop": stop,
+        "temperature": _get(body, "temperature", (int, float)),
+        "top_p": _get(body, "top_p", (int, float)),
+        "top_k": _get(body, "top_k", (int,)),
+        "min_p": _get(body, "min_p", (int, float)),
         "seed": _get(body, "seed", (int,)),
         "draft_mode": draft_mode,
         "gamma": gamma,
     }
+    options = {k: v for k, v in given.items() if v is not None}  # the rest: Engine.stream's defaults
     prediction = body.get("prediction")
     if prediction is not None:
         if not isinstance(prediction, dict) or prediction.get("type") != "content":

@@ -80,6 +80,15 @@ def test_bad_parameters(capsys, smollm2_path, extra, words):
     assert_one_line_error(*run(capsys, *argv)[::2], *words)
 
 
+@pytest.mark.parametrize(
+    "extra, words",
+    [(["--modes", "auto,fast"], ["bench mode 'fast'", "hybrid"]), (["--prompts", "poems"], ["'poems'", "code-edit"])],
+)
+def test_bad_bench_selection_fails_before_loading(capsys, monkeypatch, extra, words):
+    monkeypatch.setattr("edgespec.cli._load", lambda args: pytest.fail("loaded models for a bad selection"))
+    assert_one_line_error(*run(capsys, "bench", *SMALL, *extra)[::2], *words)
+
+
 def test_prompt_longer_than_context(capsys, smollm2_path):
     code, _, err = run(capsys, "generate", "word " * 800, *SMALL)
     assert_one_line_error(code, err, "context holds 512", "--ctx")
