@@ -142,7 +142,7 @@ class Controller:
         self.drafters = {s: available[s] for s in MODE_SOURCES[mode] if available[s] is not None}
         self.acceptance: dict[str, Acceptance] = {}  # per "model" / copy_key()
         self.last: Plan = Plan(0.0, "off", 0)
-        self._predicted = [0.0, 0.0]  # expected tokens and seconds of the plans chosen so far
+        self._predicted = [0.0, 0.0]  # expected tokens and target steps of the plans chosen so far
         self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
 
     def prefill(self, context: list[int]) -> None:
@@ -250,13 +250,14 @@ class Controller:
         if draft.tokens and draft.source not in COPY_SOURCES:  # copies learn from every token (plan())
             self._acceptance(self.last.key).observe(n_accepted, len(draft.tokens))
         if self.V is not None:
+            if self.last.rate > 0:  # on the curve the plan was made with; in steps, so the
+                # machine's drift is no part of the prediction (a round without a draft: 1 for 1)
+                seconds = self.cost(self.last.source, self.last.gamma)
+                self._predicted[0] += self.last.expected_rate * seconds
+                self._predicted[1] += seconds * self.off_rate()
             self.V.observe(len(draft.tokens) + 1, verify_s)
             if draft.source == "model" and draft.tokens and self.draft_step is not None:
                 self.draft_step.observe(1, draft_s / len(draft.tokens))
-            if self.last.rate > 0:
-                seconds = self.cost(self.last.source, self.last.gamma)
-                self._predicted[0] += self.last.expected_rate * seconds
-                self._predicted[1] += seconds
 
     def report(self, stats, draft: Draft, n_accepted: int) -> None:
         """Write what was chosen, and why, into the generation's Stats."""
@@ -268,4 +269,4 @@ class Controller:
         stats.alpha_by_source = {source: round(a.alpha, 3) for source, a in self.acceptance.items()}
         stats.last_source, stats.last_gamma = draft.source, len(draft.tokens)
         if self._predicted[1] > 0:
-            stats.predicted_speedup = self._predicted[0] / self._predicted[1] / self.off_rate()
+            stats.predicted_speedup = self._predicted[0] / self._predicted[1]

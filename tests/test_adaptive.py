@@ -246,3 +246,18 @@ def test_auto_without_a_draft_model_never_plans_one():
         for _ in range(50):
             draft = controller.propose(context, 100, GREEDY, RNG)
             assert draft.source in ("off", "copy")
+
+
+def test_predicted_speedup_of_rounds_without_drafts_is_one_however_the_machine_drifts():
+    """The prediction is counted in target steps of the curve each plan was made with: a
+    machine that slows down while nothing is drafted predicts 1.0x, not its drift."""
+    from edgespec.engine import Stats
+
+    controller = Controller("auto", None, CostCurve({1: 1.0, 2: 1.9}), None, None, CopyDrafter())
+    stats = Stats(mode="speculative", gamma="auto")
+    for i in range(20):
+        draft = controller.propose([1, 2, 3, 4, 5, 6, 7 + i], 100, GREEDY, RNG)
+        assert draft.source == "off"
+        controller.observe(draft, 0, 0.0, 1.5 + i / 10)  # every step slower than the last
+        controller.report(stats, draft, 0)
+    assert stats.predicted_speedup == pytest.approx(1.0)
