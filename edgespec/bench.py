@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from time import perf_counter
+from unittest import mock
 
 import numpy as np
 
@@ -109,6 +110,7 @@ def run_bench(
         "model_gamma": fixed_gamma,
         "calibration_s": calibration_s,
         "flash_attn": engine.target.flash_attn,
+        "repack": engine.target.repack,
         "verify_cost_steps": {k: verify_curve(k) / verify_curve(1) for k in sorted(verify_curve.points)},
         "draft_step_cost": draft_curve(1) / verify_curve(1) if draft_curve else None,
         "prompts": rows,
@@ -167,19 +169,28 @@ class _LlamaBaseline:
     threads: the yardstick for our target-alone loop."""
 
     def __init__(self, engine: Engine) -> None:
+        import llama_cpp.llama_cpp as lib
         from llama_cpp import Llama
         from llama_cpp._logger import logger
 
         t = self.target = engine.target
         level = logger.level  # Llama() sets its own log level: keep ours (quiet unless EDGESPEC_VERBOSE)
-        self.llm = Llama(
-            model_path=str(t.path),
-            n_ctx=t.n_ctx,
-            n_threads=t.n_threads,
-            n_threads_batch=t.n_threads,
-            flash_attn=t.flash_attn,
-            verbose=False,
-        )
+
+        def model_params():  # Llama() has no repack setting: the kernels our target runs (kernels.py)
+            params = default_params()
+            params.use_extra_bufts = t.repack
+            return params
+
+        default_params = lib.llama_model_default_params
+        with mock.patch.object(lib, "llama_model_default_params", model_params):
+            self.llm = Llama(
+                model_path=str(t.path),
+                n_ctx=t.n_ctx,
+                n_threads=t.n_threads,
+                n_threads_batch=t.n_threads,
+                flash_attn=t.flash_attn,
+                verbose=False,
+            )
         logger.setLevel(level)
 
     def run(self, tokens: list[int], max_tokens: int) -> tuple[int, float]:
@@ -203,7 +214,8 @@ def print_report(report: dict) -> None:
     )
     curve = report["verify_cost_steps"]
     print(
-        f"calibration ({report['calibration_s']:.1f}s, flash attention {'on' if report['flash_attn'] else 'off'}):"
+        f"calibration ({report['calibration_s']:.1f}s, flash attention {'on' if report['flash_attn'] else 'off'},"
+        f" repack {'on' if report['repack'] else 'off'}):"
         " V(k) in target steps: " + " ".join(f"{k}:{v:.2f}" for k, v in curve.items())
     )
     if report["draft_step_cost"] is not None:

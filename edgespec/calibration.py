@@ -17,18 +17,15 @@ they looked too slow. A pass over k tokens never costs more than k single steps
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import platform
 import time
 from time import perf_counter
 
 import llama_cpp
 import numpy as np
 
+from . import store
 from .model import Model
-from .registry import cache_dir
 
 TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes measured for a target
 DRAFT_SIZES = (1, 2)  # a draft model decodes one token per step (two after a fully accepted round)
@@ -153,45 +150,14 @@ def _str_keys(d: dict[int, float]) -> dict[str, float]:
 
 def _setup(model: Model) -> str:
     st = model.path.stat()
-    machine = f"{platform.node()}/{platform.machine()}/{_cpu_name()}"
     return (
-        f"{machine}|{model.path.name}:{st.st_size}|threads={model.n_threads}|gpu={model.n_gpu_layers}"
-        f"|llama_cpp={llama_cpp.__version__}"
+        f"{store.machine()}|{model.path.name}:{st.st_size}|threads={model.n_threads}|gpu={model.n_gpu_layers}"
+        f"|llama_cpp={llama_cpp.__version__}|repack={int(model.repack)}"
     )
 
 
 def _key(model: Model, sizes) -> str:
     return f"{_setup(model)}|fa={int(model.flash_attn)}|k={','.join(map(str, sizes))}"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _store_path():
-    return cache_dir() / "calibration.json"
-
-
-def _read_store() -> dict:
-    try:
-        return json.loads(_store_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write(key: str, value) -> None:
-    """Write atomically, so concurrent runs never leave a half-written file."""
-    store = _read_store()
-    store[key] = value
-    path = _store_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(store, indent=1))
-    os.replace(tmp, path)
 
 
 # --- measuring --------------------------------------------------------------------
@@ -237,7 +203,7 @@ def measure(model: Model, sizes) -> CostCurve:
 
 def load_or_measure(model: Model, sizes=TARGET_SIZES) -> CostCurve:
     """The cached curve for this model on this machine, or a fresh measurement."""
-    cached = _read_store().get(_key(model, sizes))
+    cached = store.read().get(_key(model, sizes))
     if cached:
         try:
             return CostCurve.from_json(cached)
@@ -249,7 +215,7 @@ def load_or_measure(model: Model, sizes=TARGET_SIZES) -> CostCurve:
 
 
 def save(model: Model, sizes, curve: CostCurve) -> None:
-    _write(_key(model, sizes), curve.to_json())
+    store.write(_key(model, sizes), curve.to_json())
 
 
 def recheck(curves: list[tuple[Model, CostCurve]]) -> None:
@@ -275,7 +241,7 @@ def choose_flash_attn(model: Model) -> bool:
         model.set_flash_attn(True)
         return True
     key = f"{_setup(model)}|flash_attn"
-    choice = _read_store().get(key)
+    choice = store.read().get(key)
     if not isinstance(choice, dict) or time.time() - choice.get("checked_at", 0.0) > FLASH_RECHECK_S:
         points = {}
         for flash_attn in (True, False):
@@ -284,6 +250,6 @@ def choose_flash_attn(model: Model) -> bool:
             _probed[_key(model, ())] = points[flash_attn]
         on = all(points[True][k] < (1 - FLASH_MARGIN) * points[False][k] for k in FLASH_PROBE_SIZES)
         choice = {"on": on, "checked_at": time.time()}
-        _write(key, choice)
+        store.write(key, choice)
     model.set_flash_attn(bool(choice["on"]))
     return bool(choice["on"])

@@ -120,6 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "accepted_prediction_tokens",
             "rejected_prediction_tokens",
             "flash_attn",
+            "repack",
         )
         all_stats = stats.as_dict()
         print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": {k: all_stats[k] for k in keys}}))

@@ -64,6 +64,7 @@ class Stats:
     predicted_speedup: float = 1.0
     baseline_tokens_per_s: float = 0.0  # 1 / V(1) from calibration (0 if not calibrated)
     flash_attn: bool = False  # whether the target runs with flash attention
+    repack: bool = True  # whether the target's weights are repacked for llama.cpp's extra CPU kernels (kernels.py)
 
     @property
     def accepted_prediction_tokens(self) -> int:
@@ -137,7 +138,7 @@ class Stats:
                     f", prediction tokens accepted {self.accepted_prediction_tokens},"
                     f" rejected {self.rejected_prediction_tokens}"
                 )
-        line += f", flash attention {'on' if self.flash_attn else 'off'}"
+        line += f", flash attention {'on' if self.flash_attn else 'off'}, repack {'on' if self.repack else 'off'}"
         split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s, other {self.other_s:.2f}s"
         return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"
 
@@ -323,6 +324,7 @@ class Engine:
             draft_mode=controller.mode,
             n_prompt=len(prompt),
             flash_attn=target.flash_attn,
+            repack=target.repack,
         )
         if controller.V is not None:
             stats.baseline_tokens_per_s = controller.off_rate()

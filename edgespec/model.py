@@ -17,6 +17,7 @@ import llama_cpp._logger
 import numpy as np
 
 from .errors import EdgespecError
+from .kernels import choose_repack
 
 GGUF_MAGIC = b"GGUF"
 
@@ -51,13 +52,23 @@ class Model:
         n_gpu_layers: int = 0,
         n_batch: int = 512,
         flash_attn: bool = False,
+        repack: bool | None = None,
     ) -> None:
         """flash_attn: llama.cpp's flash attention, faster on some machines and slower on
-        others (the loader chooses it by measurement, see calibration.py)."""
+        others (the loader chooses it by measurement, see calibration.py).
+        repack: weights repacked into llama.cpp's extra buffer types (its default) or not
+        (--no-repack); None: whichever works and runs faster here (see kernels.py: on
+        some CPUs the repacked kernels crash)."""
         self.path = check_gguf(path)
         self._model = self._ctx = self._batch = None
+        self.n_threads = n_threads or os.cpu_count() or 1
+        self.n_gpu_layers = n_gpu_layers
+        if repack is None:
+            repack = choose_repack(self.path, self.n_threads, n_gpu_layers)
+        self.repack = repack
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
+        model_params.use_extra_bufts = repack
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not self._model:
             raise EdgespecError(
@@ -65,8 +76,6 @@ class Model:
             )
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
-        self.n_threads = n_threads or os.cpu_count() or 1
-        self.n_gpu_layers = n_gpu_layers
         self.tokens: list[int] = []
         self._make_context(n_ctx, n_batch, flash_attn)
 

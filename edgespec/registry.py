@@ -179,7 +179,7 @@ def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> 
     dest = cached_path(entry)
     dest.parent.mkdir(parents=True, exist_ok=True)
     waiting = f"waiting for another edgespec pull of '{entry.name}' to finish..." if progress else None
-    with _locked(entry.file, waiting):
+    with locked(entry.file, waiting):
         if dest.is_file():
             try:
                 return verify_cached(entry)  # another pull just finished it, or an old file is fine
@@ -237,15 +237,15 @@ def _reclaim(models: Path) -> None:
             continue
         if not stale:
             continue
-        with _locked(name, None, wait=False) as free:
+        with locked(name, None, wait=False) as free:
             if free:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextmanager
-def _locked(name: str, waiting: str | None, *, wait: bool = True):
-    """An exclusive lock across processes on one model file's pulls (released by the
-    system if the process dies). Yields whether it was taken (always, if wait)."""
+def locked(name: str, waiting: str | None, *, wait: bool = True):
+    """An exclusive lock across processes on `name` (a model file's pulls, the store's
+    writes; released by the system if the process dies). Yields whether it was taken (always, if wait)."""
     locks = cache_dir() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
     with open(locks / f"{name}.lock", "a+b") as f:

@@ -289,6 +289,7 @@ def speculative(stats: Stats) -> dict:
         "measured_speedup": round(stats.measured_speedup, 3),
         "predicted_speedup": round(stats.predicted_speedup, 3),
         "flash_attn": stats.flash_attn,
+        "repack": stats.repack,
         "finish_reason": stats.finish_reason,  # "context" when the context window filled up
     }
 

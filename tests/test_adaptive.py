@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibration
+from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibration, store
 from edgespec.calibration import CostCurve
 from edgespec.controller import Controller, Plan, expected_tokens
 from edgespec.drafters import CopyDrafter
@@ -230,11 +230,11 @@ def test_flash_attention_is_chosen_again_after_a_day(tmp_path, monkeypatch, smol
     model = Model(smollm2_path, n_ctx=512)
     calibration.choose_flash_attn(model)
     key = f"{calibration._setup(model)}|flash_attn"
-    calibration._write(key, {"on": True, "checked_at": time.time() - calibration.FLASH_RECHECK_S - 1})
+    store.write(key, {"on": True, "checked_at": time.time() - calibration.FLASH_RECHECK_S - 1})
     times = {True: 2.0, False: 1.0}  # now flash attention is the slower
     monkeypatch.setattr(calibration, "_time", lambda m, k, tries: times[m.flash_attn])
     assert calibration.choose_flash_attn(model) is False and model.flash_attn is False
-    assert calibration._read_store()[key]["on"] is False
+    assert store.read()[key]["on"] is False
     model.close()
 
 
