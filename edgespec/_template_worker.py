@@ -31,6 +31,7 @@ def _compile(source):
 def render(request):
     text = _compile(request["template"]).render(
         messages=request["messages"],
+        tools=request.get("tools"),
         add_generation_prompt=True,
         bos_token=request["bos_token"],
         eos_token=request["eos_token"],

@@ -85,13 +85,24 @@ class _Worker:
 _worker = _Worker()
 
 
-def render(template: str, messages: list[Message], *, bos_token: str = "", eos_token: str = "", max_chars: int) -> str:
-    """The prompt text for `messages`, ending where the assistant's answer begins.
-    A text longer than max_chars is refused (see engine.MAX_CHARS_PER_TOKEN)."""
+def render(
+    template: str,
+    messages: list[Message],
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+    max_chars: int,
+    tools: list[dict] | None = None,
+) -> str:
+    """The prompt text for `messages` (and `tools`, for a template that takes them), ending
+    where the assistant's answer begins. A text longer than max_chars is refused (see
+    engine.MAX_CHARS_PER_TOKEN)."""
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise EdgespecError("each chat message must be a dict with string 'role' and 'content'")
-    request = dict(template=template, messages=messages, bos_token=bos_token, eos_token=eos_token, max_chars=max_chars)
+    request = dict(
+        template=template, messages=messages, tools=tools, bos_token=bos_token, eos_token=eos_token, max_chars=max_chars
+    )
     answer = _worker.ask(request)
     if "too_long" in answer:
         raise PromptTooLong(answer["too_long"])

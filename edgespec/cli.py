@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .controller import MODES, check_mode
 from .errors import EdgespecError
+from .prompt_cache import DEFAULT_CACHE_RAM_MIB
 from .sampling import SamplingParams
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)  # llama.cpp's
@@ -21,7 +22,12 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pair", help="target/draft pair from models.toml (default: its default_pair)")
     g.add_argument("--target", help="target model: registry name or .gguf path (alone: no draft)")
     g.add_argument("--draft", help="draft model: registry name or .gguf path")
-    g.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
+    g.add_argument(
+        "--ctx",
+        type=int,
+        help="context size in tokens (default: the model's trained context, capped so that the KV caches"
+        " take at most a quarter of memory)",
+    )
     g.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     g.add_argument("--gpu-layers", type=int, default=0, help="layers to offload on Metal/CUDA builds")
     g.add_argument("--offline", action="store_true", help="never contact Hugging Face")
@@ -69,6 +75,7 @@ def _load(args: argparse.Namespace):
         n_ctx=args.ctx,
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
+        cache_ram=getattr(args, "cache_ram", DEFAULT_CACHE_RAM_MIB),
         offline=args.offline,
     )
 
@@ -128,7 +135,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
         print(f"[{stats.mode}] {stats.summary()}", file=sys.stderr)
     if stats.finish_reason == "context":
-        print(f"edgespec: the context ({args.ctx} tokens) is full; the answer was cut (raise --ctx)", file=sys.stderr)
+        print(
+            f"edgespec: the context ({engine.target.n_ctx} tokens) is full; the answer was cut (raise --ctx)",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -231,7 +241,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
     auth = " -H 'Authorization: Bearer YOUR_KEY'" if args.api_key else ""
-    print(f"edgespec serve: {target}" + (f" drafted by {draft}" if engine.drafter else ""), file=sys.stderr)
+    drafted = f" drafted by {draft}" if engine.drafter else ""
+    context = f"context {engine.target.n_ctx} tokens (trained {engine.target.n_ctx_train})"
+    print(f"edgespec serve: {target}{drafted}, {context}", file=sys.stderr)
     print(f"  OpenAI API at {url} (Ctrl+C stops)", file=sys.stderr)
     print(
         f"  try: curl {url}/chat/completions -H 'Content-Type: application/json'{auth}"
@@ -270,7 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=DEFAULTS["top_p"], help="1 = off (default 0.95)")
     g.add_argument("--min-p", type=float, default=DEFAULTS["min_p"], help="0 = off (default 0.05)")
     g.add_argument("--seed", type=int, help="random seed for reproducible sampling")
-    g.add_argument("--max-tokens", type=int, default=512, help="tokens to generate at most (default 512)")
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        help="tokens to generate at most (default: until the model stops or the context is full)",
+    )
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); trimmed from the output")
     g.add_argument("--raw", action="store_true", help="send PROMPT as plain completion text, no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -293,7 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="full-screen chat that shows speculation live")
     _model_options(c)
     c.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], help="0 = greedy (default 0.8)")
-    c.add_argument("--max-tokens", type=int, default=1024, help="tokens per answer at most (default 1024)")
+    c.add_argument(
+        "--max-tokens",
+        type=int,
+        help="tokens per answer at most (default: until the model stops or the context is full)",
+    )
     c.set_defaults(func=cmd_chat)
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (chat, completions, predicted outputs)")
@@ -301,6 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    v.add_argument(
+        "--cache-ram",
+        type=int,
+        default=DEFAULT_CACHE_RAM_MIB,
+        metavar="MIB",
+        help=f"RAM for the KV caches of earlier prompts, so alternating conversations each pay only for their"
+        f" new part (default {DEFAULT_CACHE_RAM_MIB}; 0 = only the last one)",
+    )
     v.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="each draft mode vs the target alone on a small prompt set")

@@ -17,8 +17,10 @@ from .errors import EdgespecError
 from .model import ContextFull, Model
 from .sampling import SamplingParams, distribution, position_uniforms, verify, verify_greedy
 from .text import TextStream
+from .tools import CLOSE, ToolCall, ToolCallParser, ToolChoice, prepare, tool_choice_of
 
 Prompt = str | Sequence[Message]
+NO_TOOL_CHOICE = ToolChoice()
 MAX_CHARS_PER_TOKEN = 256  # longer than any token of the tokenizers we know (Qwen2.5's longest: 128 bytes)
 
 
@@ -28,8 +30,8 @@ def check_gamma(gamma: int) -> int:
     return gamma
 
 
-def check_max_tokens(max_tokens: int) -> int:
-    if max_tokens < 1:
+def check_max_tokens(max_tokens: int | None) -> int | None:
+    if max_tokens is not None and max_tokens < 1:
         raise EdgespecError(f"max-tokens must be >= 1, got {max_tokens}")
     return max_tokens
 
@@ -159,9 +161,10 @@ class Event:
 
 @dataclass
 class Generation:
-    text: str
+    text: str  # with tools: the answer's text without its tool calls
     tokens: list[int]
     stats: Stats
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @property
     def finish_reason(self) -> str | None:
@@ -211,7 +214,7 @@ class Engine:
         self,
         prompt: Prompt,
         *,
-        max_tokens: int = 512,
+        max_tokens: int | None = None,
         gamma: int | str | None = None,
         draft_mode: str | None = None,
         speculative: bool = True,
@@ -223,43 +226,65 @@ class Engine:
         top_p: float = 0.95,
         min_p: float = 0.05,
         seed: int | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: ToolChoice | str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> Iterator[Event]:
         """Generate an answer to `prompt` token by token.
 
         prompt: a user message (str) or a list of {"role", "content"} messages,
         rendered with the model's chat template; with raw=True a str is sent as
         plain completion text (special-token markup such as <|im_start|> parsed).
+        max_tokens: the answer's length at most; None: until the model stops or the
+        context is full (finish_reason "context").
         gamma: draft tokens per round, or "auto"; draft_mode: auto, model, copy,
         hybrid or off (defaults: the engine's). prediction: text the answer will
         largely repeat (OpenAI's Predicted Outputs, e.g. the file being edited):
         drafts are copied from it; the output is the same with or without it. speculative=False runs the target
         alone, the baseline. The last event has token None, the remaining text
-        and the final stats."""
+        and the final stats.
+        tools: OpenAI's function tools, rendered through the model's chat template (see
+        tools.py); tool_choice: OpenAI's (auto, none, required or a named function) or a
+        ToolChoice. "required" and a function start the answer with the call's opening,
+        which the events do not repeat: read them with ToolCallParser(choice.opening), or
+        use generate(), which returns the calls parsed. A named function, or
+        parallel_tool_calls=False, ends the answer with the (first) call."""
         gamma = self.gamma if gamma is None else gamma
         gamma = None if gamma in (None, "auto") else check_gamma(gamma)
         mode = "off" if not speculative else (draft_mode or self.draft_mode)
         check_max_tokens(max_tokens)
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
-        tokens = self.prompt_tokens(prompt, raw=raw)
+        choice = tool_choice_of(tools, tool_choice)
+        tokens = self.prompt_tokens(prompt, raw=raw, tools=tools, tool_choice=choice)
+        if tools and choice.mode != "none" and (choice.one_call or not parallel_tool_calls):
+            stop = [*stop, CLOSE]
         controller = self._controller(mode, gamma)
         self.copy.set_prediction(self.target.tokenize(prediction, add_special=False) if prediction else None)
         return self._generate(tokens, controller, params, max_tokens, stop)
 
     def generate(self, prompt: Prompt, **kwargs) -> Generation:
-        """Like stream(), but return the whole answer."""
+        """Like stream(), but return the whole answer (with tools: its text and tool calls apart)."""
         text, tokens = [], []
         for event in self.stream(prompt, **kwargs):
             text.append(event.text)
             if not event.done:
                 tokens.append(event.token)
-        return Generation("".join(text), tokens, event.stats)
+        choice = tool_choice_of(kwargs.get("tools"), kwargs.get("tool_choice"))
+        if not kwargs.get("tools") or choice.mode == "none":
+            return Generation("".join(text), tokens, event.stats)
+        parser = ToolCallParser(choice.opening, parallel=kwargs.get("parallel_tool_calls", True))
+        head, _ = parser.feed("".join(text))
+        tail, _ = parser.finish()
+        return Generation(head + tail, tokens, event.stats, parser.calls)
 
     def chat(self, messages: Sequence[Message], **kwargs) -> Generation:
         """Answer the last message of a conversation. Pass the whole conversation
         each turn: the KV cache of the common prefix is reused, not recomputed."""
         return self.generate(messages, **kwargs)
 
-    def prompt_tokens(self, prompt: Prompt, *, raw: bool = False) -> list[int]:
+    def prompt_tokens(
+        self, prompt: Prompt, *, raw: bool = False, tools: list[dict] | None = None, tool_choice=NO_TOOL_CHOICE
+    ) -> list[int]:
         target = self.target
         # a text this long cannot fit in the context whatever its tokens: refused before
         # llama.cpp's tokenizer spends seconds (and memory) on it
@@ -274,10 +299,12 @@ class Engine:
             if template is None:
                 raise EdgespecError(f"{target.path.name} has no chat template; send plain text with --raw")
             bos, eos = (target.token_text(t).decode("utf-8", "replace") for t in (target.bos, target.eos))
+            messages, tools = prepare(template, messages, tools if tool_choice.mode != "none" else None)
             try:
-                text = render(template, messages, bos_token=bos, eos_token=eos, max_chars=max_chars)
+                text = render(template, messages, bos_token=bos, eos_token=eos, max_chars=max_chars, tools=tools)
             except PromptTooLong as e:
                 raise self._too_long(f"{e.n_chars} characters") from None
+            text += tool_choice.opening if tools or tool_choice.mode == "function" else ""
         if len(text) > max_chars:
             raise self._too_long(f"{len(text)} characters")
         tokens = target.tokenize(text, add_special=True, parse_special=True)
@@ -345,7 +372,7 @@ class Engine:
         n_out = 0
         seq = list(prompt)
         try:
-            limit = len(prompt) + max_tokens
+            limit = len(prompt) + max_tokens if max_tokens else target.n_ctx + 1
             for new_tokens in speculative_decode(target, controller, seq, params, seed, rng, stats, limit):
                 for token, from_draft in new_tokens:
                     if target.is_eog(token):
@@ -356,7 +383,7 @@ class Engine:
                     yield Event(text.push(target.piece(token)), token, "draft" if from_draft else "target", stats)
                     if text.stopped:
                         stats.finish_reason = "stop_string"
-                    elif n_out >= max_tokens:
+                    elif n_out == max_tokens:
                         stats.finish_reason = "length"
                     if stats.finish_reason:
                         break

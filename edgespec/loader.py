@@ -11,7 +11,8 @@ from .controller import check_mode
 from .drafters import ModelDrafter
 from .engine import Engine, check_gamma
 from .errors import EdgespecError
-from .model import Model, check_gguf, compatibility_problem
+from .model import KV_MEMORY_SHARE, Model, check_gguf, compatibility_problem
+from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .registry import cached_path, load_registry, pull, verify_cached
 
 
@@ -74,9 +75,10 @@ def load(
     draft: str | os.PathLike | None = None,
     gamma: int | str | None = None,
     draft_mode: str = "auto",
-    n_ctx: int = 4096,
+    n_ctx: int | None = None,
     n_threads: int | None = None,
     n_gpu_layers: int = 0,
+    cache_ram: int = DEFAULT_CACHE_RAM_MIB,
     offline: bool = False,
     progress: bool = True,
 ) -> Engine:
@@ -87,8 +89,12 @@ def load(
     only the free copy drafter is there. gamma (an int, or "auto") and
     draft_mode (auto, model, copy, hybrid, off) are the engine's defaults;
     auto measures this machine's costs at first use and chooses per round.
+    n_ctx: the context in tokens; None: the target's trained context, capped so that both
+    KV caches take at most a quarter of this machine's memory (the draft gets the same size).
     Flash attention is on or off, whichever this machine runs faster (measured at load, once a day).
-    n_gpu_layers offloads layers on Metal/CUDA builds.
+    n_gpu_layers offloads layers on Metal/CUDA builds. cache_ram: MiB of RAM for the KV
+    states of earlier prompts (prompt_cache.py), so alternating conversations each pay only
+    for their new part; 0 keeps only the live one.
     Raises EdgespecError with a one-sentence reason for bad input."""
     if gamma is not None and gamma != "auto":
         check_gamma(gamma)
@@ -106,8 +112,12 @@ def load(
     paths = [resolve_model(m, offline=offline, progress=progress) for m in (target, draft) if m is not None]
     models: list[Model] = []
     try:
+        share = KV_MEMORY_SHARE / len(paths)  # the draft's cache is usually the smaller: half each is safe
         for path in paths:
-            models.append(Model(path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers))
+            size = models[0].n_ctx if models else n_ctx  # the draft follows the target
+            models.append(
+                Model(path, n_ctx=size, n_threads=n_threads, n_gpu_layers=n_gpu_layers, kv_memory_share=share)
+            )
         drafter = None
         if len(models) == 2:
             if problem := compatibility_problem(models[0], models[1]):
@@ -115,6 +125,10 @@ def load(
             drafter = ModelDrafter(models[1], target_vocab=models[0].n_vocab)
         for model in models:  # measured once per machine; the same for every run, so outputs agree
             choose_flash_attn(model)
+        if cache_ram > 0:
+            cache = PromptCache(cache_ram << 20)
+            for model in models:
+                model.prompt_cache = cache
     except BaseException:
         for model in models:
             model.close()

@@ -18,8 +18,11 @@ import numpy as np
 
 from .errors import EdgespecError
 from .kernels import choose_repack
+from .prompt_cache import MIN_TOKENS, PromptCache, common_prefix
 
 GGUF_MAGIC = b"GGUF"
+KV_MEMORY_SHARE = 0.25  # a default context's KV caches (all models of an engine) take at most this share of memory
+MIN_DEFAULT_CTX = 2048  # ... but never less than this many tokens
 
 # llama.cpp logs model loading to stderr; keep the terminal for the answer.
 if not os.environ.get("EDGESPEC_VERBOSE"):
@@ -47,14 +50,17 @@ class Model:
         self,
         path: str | os.PathLike,
         *,
-        n_ctx: int = 4096,
+        n_ctx: int | None = None,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
         n_batch: int = 512,
         flash_attn: bool = False,
         repack: bool | None = None,
+        kv_memory_share: float = KV_MEMORY_SHARE,
     ) -> None:
-        """flash_attn: llama.cpp's flash attention, faster on some machines and slower on
+        """n_ctx: context size in tokens; None: the model's trained context, or less if its
+        KV cache would take more than kv_memory_share of this machine's memory.
+        flash_attn: llama.cpp's flash attention, faster on some machines and slower on
         others (the loader chooses it by measurement, see calibration.py).
         repack: weights repacked into llama.cpp's extra buffer types (its default) or not
         (--no-repack); None: whichever works and runs faster here (see kernels.py: on
@@ -77,7 +83,8 @@ class Model:
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.tokens: list[int] = []
-        self._make_context(n_ctx, n_batch, flash_attn)
+        self.prompt_cache: PromptCache | None = None  # saved states of other prompts (see prompt_cache.py)
+        self._make_context(n_ctx or self.default_context(kv_memory_share), n_batch, flash_attn)
 
     def _make_context(self, n_ctx: int, n_batch: int, flash_attn: bool) -> None:
         ctx_params = llama_cpp.llama_context_default_params()
@@ -103,9 +110,28 @@ class Model:
     def set_flash_attn(self, flash_attn: bool) -> None:
         """Recreate the context with flash attention on or off (the cache starts empty)."""
         if flash_attn != self.flash_attn:
+            if self.prompt_cache is not None:  # states of the old context may not fit the new one
+                self.prompt_cache.drop(self)
             n_ctx, n_batch = self.n_ctx, self.n_batch
             self._free_context()
             self._make_context(n_ctx, n_batch, flash_attn)
+
+    @property
+    def n_ctx_train(self) -> int:
+        """The context the model was trained with."""
+        return llama_cpp.llama_model_n_ctx_train(self._model)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What one token takes in the KV cache: keys and values (f16) of every layer."""
+        m = self._model
+        head_dim = llama_cpp.llama_model_n_embd(m) // max(llama_cpp.llama_model_n_head(m), 1)
+        return 2 * 2 * llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * head_dim
+
+    def default_context(self, memory_share: float = KV_MEMORY_SHARE) -> int:
+        """The trained context, capped so that the KV cache fits memory_share of this machine's memory."""
+        fits = int(memory_share * physical_memory() / self.kv_bytes_per_token) // 256 * 256
+        return max(min(self.n_ctx_train, fits), min(MIN_DEFAULT_CTX, self.n_ctx_train))
 
     # --- vocabulary -------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -162,14 +188,29 @@ class Model:
 
     def sync(self, tokens: list[int]) -> int:
         """Keep the longest cached prefix of `tokens`, but never the last token, whose
-        logits the caller needs from a fresh eval. Returns how many tokens were kept."""
-        limit = min(len(self.tokens), len(tokens) - 1)
-        if self.tokens[:limit] == tokens[:limit]:  # the usual case, compared in C: called every round
-            n = limit
-        else:
-            n = next(i for i in range(limit) if self.tokens[i] != tokens[i])
+        logits the caller needs from a fresh eval; with a prompt cache, a saved state
+        that shares more of `tokens` is brought back (and the one that would be cut, kept).
+        Returns how many tokens were kept."""
+        n = common_prefix(self.tokens, tokens, len(tokens) - 1)  # called every round: compared in C
+        if self.prompt_cache is not None and len(tokens) - 1 - n >= MIN_TOKENS:  # a new prompt, not a round
+            n = self.prompt_cache.swap(self, tokens, n)
         self.truncate(n)
         return n
+
+    def save_state(self):
+        """The cache's contents (sequence 0) as llama.cpp serializes them, or None."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+        data = (ctypes.c_uint8 * size)()
+        return data if llama_cpp.llama_state_seq_get_data(self._ctx, data, size, 0) == size else None
+
+    def restore_state(self, tokens: list[int], data) -> bool:
+        """Load a state from save_state() that holds `tokens`; False (cache empty) if llama.cpp refuses it."""
+        self.truncate(0)
+        if llama_cpp.llama_state_seq_set_data(self._ctx, data, len(data), 0) != len(data):
+            llama_cpp.llama_memory_seq_rm(self._memory, 0, 0, -1)
+            return False
+        self.tokens[:] = tokens
+        return True
 
     def eval(self, tokens: list[int], *, all_logits: bool = False) -> np.ndarray | None:
         """Append `tokens` to the cache in one forward pass (chunked by n_batch).
@@ -222,6 +263,14 @@ class Model:
 
     def __del__(self) -> None:
         self.close()
+
+
+def physical_memory() -> int:
+    """Bytes of memory this machine has (8 GiB where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
 
 
 class ContextFull(Exception):

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import tools
 from .controller import MODES
 from .engine import Engine, Event, Stats
 from .errors import EdgespecError
@@ -109,7 +110,7 @@ def _options(body: dict) -> dict:
     n = _get(body, "n", (int,), 1)
     if n != 1:
         raise ApiError(400, "only n=1 is supported: one answer per request", "n")
-    for unsupported in ("logprobs", "tools", "functions", "echo", "suffix"):
+    for unsupported in ("logprobs", "functions", "echo", "suffix"):
         if body.get(unsupported) not in (None, False, [], 0, ""):
             raise ApiError(400, f"'{unsupported}' is not supported by edgespec", unsupported)
     stop = body.get("stop")
@@ -138,6 +139,13 @@ def _options(body: dict) -> dict:
         "gamma": gamma,
     }
     options = {k: v for k, v in given.items() if v is not None}  # the rest: Engine.stream's defaults
+    if body.get("tools"):
+        try:
+            options["tool_choice"] = tools.check(body["tools"], body.get("tool_choice"))
+        except EdgespecError as e:
+            raise ApiError(400, str(e), "tools") from None
+        options["tools"] = body["tools"]
+        options["parallel_tool_calls"] = _get(body, "parallel_tool_calls", (bool,), True)
     prediction = body.get("prediction")
     if prediction is not None:
         if not isinstance(prediction, dict) or prediction.get("type") != "content":
@@ -162,7 +170,14 @@ def chat_job(body: dict) -> Job:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
-        chat.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
+        message = {"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")}
+        if m.get("tool_calls"):  # an assistant's earlier calls
+            if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
+                raise ApiError(400, f"messages[{i}].tool_calls must be a list of calls", f"messages[{i}].tool_calls")
+            message["tool_calls"] = m["tool_calls"]
+        if isinstance(m.get("tool_call_id"), str):  # a tool's result
+            message["tool_call_id"] = m["tool_call_id"]
+        chat.append(message)
     options = _options(body)
     stream, include_usage = _stream_flags(body)
     return Job(chat, options, stream, include_usage, "prediction" in options)
@@ -320,8 +335,11 @@ class Api:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
+        target = self.worker.engine.target
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}
-        model["draft"] = self.draft_name
+        # the context as llama-server (meta) and vLLM (max_model_len) report it
+        model |= {"draft": self.draft_name, "max_model_len": target.n_ctx}
+        model["meta"] = {"n_ctx": target.n_ctx, "n_ctx_train": target.n_ctx_train, "n_vocab": target.n_vocab}
         return JSONResponse({"object": "list", "data": [model]})
 
     async def chat(self, request: Request) -> Response:
@@ -365,17 +383,40 @@ class _Reply:
         self.kind, self.model, self.job = kind, model, job
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id, self.created = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
+        choice = job.options.get("tool_choice")
+        self.calls = None  # reads tool calls out of the answer, where tools may be called
+        if choice is not None and choice.mode != "none":
+            self.calls = tools.ToolCallParser(choice.opening, parallel=job.options["parallel_tool_calls"])
+
+    def _split(self, text: str, *, last: bool = False) -> tuple[str, list[tools.ToolCall]]:
+        """The answer's new text -> (its text to show, the tool calls it completed)."""
+        if self.calls is None:
+            return text, []
+        shown, calls = self.calls.feed(text)
+        if last:
+            rest, more = self.calls.finish()
+            shown, calls = shown + rest, calls + more
+        return shown, calls
+
+    def _finish_reason(self, stats: Stats) -> str | None:
+        return "tool_calls" if self.calls is not None and self.calls.calls else FINISH_REASONS.get(stats.finish_reason)
 
     def _envelope(self, object_kind: str, choices: list) -> dict:
         return {"id": self.id, "object": object_kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, text: str, finish: str | None, *, delta: bool, first: bool = False) -> dict:
+    def _choice(self, text: str, finish: str | None, *, delta: bool, first: bool = False, calls=()) -> dict:
         if self.kind == "text_completion":
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         if not delta:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        return {"index": 0, "delta": ({"role": "assistant"} if first else {}) | ({"content": text} if text else {}),
-                "finish_reason": finish}  # fmt: skip
+            message = {"role": "assistant", "content": text or (None if calls else "")}
+            if calls:
+                message["tool_calls"] = [c.as_openai() for c in calls]
+            return {"index": 0, "message": message, "finish_reason": finish}
+        out = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        if calls:  # each call whole, in one delta (clients join the pieces of a call by its index)
+            numbered = [{"index": self.calls.calls.index(c)} | c.as_openai() for c in calls]
+            out["tool_calls"] = numbered
+        return {"index": 0, "delta": out, "finish_reason": finish}
 
     def _closing(self, stats: Stats) -> dict:
         return {"usage": usage(stats, self.job.predicted), "speculative": speculative(stats)}
@@ -389,7 +430,8 @@ class _Reply:
             event = item
         stats = event.stats
         _log_answer(stats)
-        choice = self._choice("".join(text), FINISH_REASONS.get(stats.finish_reason), delta=False)
+        shown, calls = self._split("".join(text), last=True)
+        choice = self._choice(shown, self._finish_reason(stats), delta=False, calls=calls)
         return self._envelope(self.kind, [choice]) | self._closing(stats)
 
     async def chunks(self, first: Event, watcher: asyncio.Task) -> AsyncIterator[str]:
@@ -407,16 +449,17 @@ class _Reply:
                 if failure is not None:
                     yield _sse({"error": {"message": str(failure), "type": failure.type, "code": None}})
                     break
-                if events:
-                    event = events[-1]
-                    text = "".join(e.text for e in events)
-                    if text or opening:
-                        yield _sse(self._envelope(kind, [self._choice(text, None, delta=True, first=opening)]))
+                if events or ended:
+                    event = events[-1] if events else event
+                    text, calls = self._split("".join(e.text for e in events), last=ended)
+                    if text or calls or opening:
+                        delta = self._choice(text, None, delta=True, first=opening, calls=calls)
+                        yield _sse(self._envelope(kind, [delta]))
                         opening = False
                 if ended:
                     stats = event.stats
                     _log_answer(stats)
-                    finish = self._choice("", FINISH_REASONS.get(stats.finish_reason), delta=True)
+                    finish = self._choice("", self._finish_reason(stats), delta=True)
                     yield _sse(self._envelope(kind, [finish]))
                     if self.job.include_usage:
                         yield _sse(self._envelope(kind, []) | self._closing(stats))

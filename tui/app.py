@@ -68,7 +68,7 @@ class ChatApp(App):
         draft=None,
         draft_mode: str = "auto",
         gamma: int | str | None = "auto",
-        max_tokens: int = 1024,
+        max_tokens: int | None = None,
         temperature: float = 0.8,
         **load_options,
     ) -> None:

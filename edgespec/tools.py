@@ -1,0 +1,225 @@
+"""Tool calls (OpenAI's `tools`), in the Hermes format that Qwen2.5 and many others use:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+A template that knows this format (it writes `<tool_call>` itself, as Qwen2.5's does) gets
+`tools`, the history's tool calls and the tool results as they are. Any other template
+gets them as text of ours in the same format: the tools in a system message, calls in
+the assistant's turn, results in a user turn (llama.cpp's chat.cpp falls back to a
+generic format the same way). A call is forced (tool_choice "required", or a named
+function) by opening the answer with the call, which the model then completes; the
+parser is told that opening, so it reads the answer as the model's whole turn.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from .errors import EdgespecError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FALLBACK_SYSTEM = (
+    "You may call functions to help with the user's request. The functions, as JSON schemas:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call one, answer with a JSON object of its name and arguments between tags, like this:\n"
+    '<tool_call>\n{{"name": "<function name>", "arguments": {{...}}}}\n</tool_call>'
+)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{secrets.token_hex(12)}")
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str = "auto"  # auto: the model decides; none: no calls; required: at least one; function: that one
+    name: str | None = None  # the function, for mode "function"
+    takes_arguments: bool = True  # whether that function's schema has properties
+
+    @property
+    def opening(self) -> str:
+        """The text the answer is forced to begin with: for a function, up to its first
+        argument's name (small models otherwise tend to write out the schema), or the
+        whole call if it takes none."""
+        if self.mode == "function":
+            call = f'{OPEN}\n{{"name": {json.dumps(self.name)}, "arguments": '
+            return call + ('{"' if self.takes_arguments else f"{{}}}}\n{CLOSE}")
+        return f'{OPEN}\n{{"name": "' if self.mode == "required" else ""
+
+    @property
+    def one_call(self) -> bool:
+        """A named function is called once: the answer ends with its call."""
+        return self.mode == "function"
+
+
+def check(tools, tool_choice) -> ToolChoice:
+    """Validate OpenAI's `tools` and `tool_choice`; one sentence on what is wrong."""
+    if not isinstance(tools, list) or not all(_is_function(t) for t in tools):
+        raise EdgespecError(
+            '\'tools\' must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}'
+        )
+    functions = {t["function"]["name"]: t["function"] for t in tools}
+    names = list(functions)
+    if tool_choice in (None, "auto", "none", "required"):
+        mode = tool_choice or "auto"
+        if mode == "required" and not tools:
+            raise EdgespecError("tool_choice 'required' needs at least one tool")
+        if mode != "required" or len(tools) > 1:
+            return ToolChoice(mode)
+        name = names[0]  # required, of one tool: that one
+    else:
+        name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(name, str):
+        raise EdgespecError(
+            '\'tool_choice\' must be auto, none, required or {"type": "function", "function": {"name": ...}}'
+        )
+    if name not in names:
+        raise EdgespecError(f"tool_choice names '{name}', which is not among the tools ({', '.join(names)})")
+    parameters = functions[name].get("parameters")
+    return ToolChoice("function", name, isinstance(parameters, dict) and bool(parameters.get("properties")))
+
+
+def tool_choice_of(tools, tool_choice) -> ToolChoice:
+    """A ToolChoice as it is, else checked from OpenAI's fields (no tools: no calls)."""
+    if isinstance(tool_choice, ToolChoice):
+        return tool_choice
+    return check(tools, tool_choice) if tools is not None else ToolChoice("none")
+
+
+def _is_function(tool) -> bool:
+    return (
+        isinstance(tool, dict)
+        and tool.get("type", "function") == "function"
+        and isinstance(tool.get("function"), dict)
+        and isinstance(tool["function"].get("name"), str)
+    )
+
+
+def knows_tools(template: str) -> bool:
+    """Whether a chat template writes tool calls in this module's format itself."""
+    return OPEN in template and "tools" in template
+
+
+def prepare(template: str, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+    """The messages (and tools) to render `template` with: as they are for a template that
+    knows tools, else written out as text in the same format."""
+    native = knows_tools(template)
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        if m.get("role") == "tool" and not native:
+            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+        elif calls and native:  # the template writes `arguments` as JSON itself: give it the object
+            out.append(
+                m | {"content": m.get("content") or "", "tool_calls": [_with_object_arguments(c) for c in calls]}
+            )
+        elif calls:
+            text = "\n".join(_call_text(c) for c in calls)
+            out.append({"role": m["role"], "content": "\n".join(filter(None, [m.get("content"), text]))})
+        else:
+            out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": m.get("content") or ""})
+    if not tools or native:
+        return out, tools or None
+    system = FALLBACK_SYSTEM.format(tools="\n".join(json.dumps(t["function"]) for t in tools))
+    if out and out[0]["role"] == "system":
+        return [{"role": "system", "content": out[0]["content"] + "\n\n" + system}, *out[1:]], None
+    return [{"role": "system", "content": system}, *out], None
+
+
+def _function(call: dict) -> dict:
+    return call.get("function", call) if isinstance(call, dict) else {}
+
+
+def _with_object_arguments(call: dict) -> dict:
+    function = _function(call)
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return call | {"function": function | {"arguments": arguments}}
+
+
+def _call_text(call: dict) -> str:
+    function = _with_object_arguments(call)["function"]
+    body = json.dumps({"name": function.get("name"), "arguments": function.get("arguments")})
+    return f"{OPEN}\n{body}\n{CLOSE}"
+
+
+class ToolCallParser:
+    """Splits an answer into its text and its tool calls as it streams. A call whose
+    JSON does not parse stays text."""
+
+    def __init__(self, opening: str = "", *, parallel: bool = True) -> None:
+        self.parallel = parallel
+        self.calls: list[ToolCall] = []  # all so far
+        self._buffer = opening
+        self._in_call = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """New answer text -> (text to show now, calls completed now)."""
+        self._buffer += text
+        shown, calls = [], []
+        while True:
+            if not self._in_call:
+                at = self._buffer.find(OPEN)
+                if at < 0:  # hold back what may be the start of an opening tag
+                    keep = next((n for n in range(len(OPEN) - 1, 0, -1) if self._buffer.endswith(OPEN[:n])), 0)
+                    cut = len(self._buffer) - keep
+                    shown.append(self._buffer[:cut])
+                    self._buffer = self._buffer[cut:]
+                    break
+                shown.append(self._buffer[:at])
+                self._buffer, self._in_call = self._buffer[at + len(OPEN) :], True
+            else:
+                at = self._buffer.find(CLOSE)
+                if at < 0:
+                    break
+                body, self._buffer, self._in_call = self._buffer[:at], self._buffer[at + len(CLOSE) :], False
+                shown.append(self._take(body, calls, closed=True))
+        return "".join(shown), calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The end of the answer: what is left (an unclosed call is read as far as it goes)."""
+        calls: list[ToolCall] = []
+        text = self._take(self._buffer, calls, closed=False) if self._in_call else self._buffer
+        self._buffer, self._in_call = "", False
+        return text, calls
+
+    def _take(self, body: str, calls: list[ToolCall], *, closed: bool) -> str:
+        call = parse_call(body)
+        if call is None:
+            return f"{OPEN}{body}{CLOSE if closed else ''}"
+        if self.parallel or not self.calls:
+            self.calls.append(call)
+            calls.append(call)
+        return ""
+
+
+def parse_call(body: str) -> ToolCall | None:
+    """One call's JSON, {"name": ..., "arguments": {...}}, or None if it is not one."""
+    try:
+        value, _ = json.JSONDecoder().raw_decode(body.strip())
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+        except ValueError:
+            return None
+        return ToolCall(value["name"], arguments)
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))

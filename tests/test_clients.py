@@ -1,0 +1,158 @@
+"""What real assistants send (request bodies recorded from aider, llm and langchain in
+../shared/clients), served by `edgespec serve` on the SmolLM2 pair and read with the
+official `openai` client: whole answers without max_tokens, usage, tool calls, and the
+prompt cache across alternating conversations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_server import Server
+
+from edgespec.tools import ToolCallParser, ToolChoice
+
+CTX = 2048  # room for aider's 1,684-token prompt (SmolLM2's tokens) and its answer
+CLIENTS = Path(__file__).resolve().parents[2] / "shared" / "clients"
+if not CLIENTS.is_dir():  # CI's clone sits beside shared/ too; a checkout elsewhere may not
+    CLIENTS = Path(__file__).resolve().parents[1] / "shared" / "clients"
+
+
+def recorded(name: str) -> dict:
+    path = CLIENTS / name
+    if not path.is_file():
+        pytest.skip(f"no recorded client requests at {CLIENTS}")
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--pair", "smollm2-self", "--ctx", str(CTX))
+    yield s
+    assert s.stop() == 0
+    assert not any(" 500 " in line or "internal error" in line for line in s.lines), "".join(s.lines)
+
+
+def test_aider_whole_edit_streams_to_its_natural_end(server):
+    body = recorded("aider-whole-edit.json")
+    assert "max_tokens" not in body and body["stream"] is True
+    finish = None
+    for chunk in server.client().chat.completions.create(**body):
+        if chunk.choices:
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "stop"
+
+
+def test_no_max_tokens_means_until_the_context_is_full(server):
+    """Counting never ends: without max_tokens the answer runs past the old 512-token cap."""
+    prompt = ", ".join(str(i) for i in range(1, 41)) + ","
+    reply = server.client().completions.create(model="x", prompt=prompt, temperature=0)
+    assert reply.usage.completion_tokens > 512
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= CTX + 1  # the last token needs no cache cell
+    assert reply.choices[0].finish_reason == "length" and reply.model_extra["speculative"]["finish_reason"] == "context"
+
+
+def test_llm_plain_reads_usage(server):
+    reply = server.client().chat.completions.create(**recorded("llm-plain.json"))
+    assert reply.usage.completion_tokens <= 200 and reply.usage.prompt_tokens > 0
+    assert reply.choices[0].message.content
+
+
+def test_llm_stream_gets_a_usage_chunk(server):
+    chunks = list(server.client().chat.completions.create(**recorded("llm-stream.json")))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 150
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_langchain_invoke_honours_max_completion_tokens(server):
+    reply = server.client().chat.completions.create(**recorded("langchain-invoke.json"))
+    assert 0 < reply.usage.completion_tokens <= 200
+
+
+def test_langchain_tools_round_trip(server):
+    body = recorded("langchain-tools.json")
+    client = server.client()
+    reply = client.chat.completions.create(**body)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments), dict)
+
+    result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": "Paris", "celsius": 18})}
+    history = [*body["messages"], choice.message.model_dump(exclude_none=True), result]
+    final = client.chat.completions.create(
+        model="x", messages=history, tools=body["tools"], temperature=0, max_tokens=40
+    )
+    assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
+
+
+def test_tool_calls_stream_as_deltas(server):
+    body = recorded("langchain-tools.json") | {"stream": True}
+    chunks = list(server.client().chat.completions.create(**body))
+    calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(calls[0].function.arguments), dict)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+def test_tool_choice_required_and_none(server):
+    body = recorded("langchain-tools.json")
+    client = server.client()
+    required = client.chat.completions.create(**(body | {"tool_choice": "required"}))
+    assert required.choices[0].finish_reason == "tool_calls"
+    none = client.chat.completions.create(**(body | {"tool_choice": "none"}))
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason != "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "change, word",
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
+def test_bad_tools_get_a_400(server, change, word):
+    response = server.post("/chat/completions", json=recorded("langchain-tools.json") | change)
+    assert response.status_code == 400 and word in response.json()["error"]["message"]
+
+
+def test_alternating_conversations_reuse_their_prompts(server):
+    client = server.client()
+    aider = recorded("aider-whole-edit.json")
+    other = [
+        {"role": "system", "content": "You answer questions about the sea. " * 20},
+        {"role": "user", "content": "Hi"},
+    ]
+
+    def ask(messages):
+        return client.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=8).usage
+
+    ask(aider["messages"])
+    ask(other)  # another conversation in between
+    follow_up = [*aider["messages"][:-1], {"role": "user", "content": "Also rename x to item. Change nothing else."}]
+    usage = ask(follow_up)
+    assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
+    again = ask(other)
+    assert again.prompt_tokens_details.cached_tokens >= 0.9 * again.prompt_tokens, again
+
+
+def test_models_report_the_context(server):
+    (model,) = server.client().models.list().data
+    assert model.model_extra["meta"]["n_ctx"] == model.model_extra["max_model_len"] == CTX
+    assert any(f"context {CTX} tokens" in line for line in server.lines)
+
+
+def test_parser_keeps_bad_json_as_text():
+    parser = ToolCallParser()
+    shown, calls = parser.feed('Sure. <tool_call>\n{"name": "f", "arguments": {oops}}\n</tool_call> done')
+    assert calls == [] and "oops" in shown and shown.startswith("Sure. ")
+    forced = ToolCallParser(ToolChoice("function", "f").opening)
+    text, calls = forced.feed('x": 1}}\n</tool_call>')
+    assert text == "" and calls[0].name == "f" and json.loads(calls[0].arguments) == {"x": 1}
+    split = ToolCallParser()
+    first, _ = split.feed("hello <tool_")
+    rest, calls = split.feed('call>{"name": "g", "arguments": {}}</tool_call>')
+    assert first == "hello " and rest == "" and calls[0].name == "g"
