@@ -13,6 +13,7 @@ from .errors import EdgespecError
 from .loader import PairInfo, load, pairs, pull_models
 from .model import Model
 from .sampling import SamplingParams
+from .tools import ToolCall, ToolChoice
 
 __all__ = [
     "Draft",
@@ -26,6 +27,8 @@ __all__ = [
     "PairInfo",
     "SamplingParams",
     "Stats",
+    "ToolCall",
+    "ToolChoice",
     "load",
     "pairs",
     "pull_models",

@@ -41,6 +41,7 @@ def test_readme_library_example(capsys):
     out = capsys.readouterr().out
     assert len(out) > 200 and "tokens" in out
     assert namespace["result"].text and namespace["reply"].text
+    assert [call.name for call in namespace["asked"].tool_calls] == ["get_weather"]
 
 
 def test_package_docstring_example(capsys):
