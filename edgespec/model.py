@@ -192,7 +192,8 @@ class Model:
         that shares more of `tokens` is brought back (and the one that would be cut, kept).
         Returns how many tokens were kept."""
         n = common_prefix(self.tokens, tokens, len(tokens) - 1)  # called every round: compared in C
-        if self.prompt_cache is not None and len(tokens) - 1 - n >= MIN_TOKENS:  # a new prompt, not a round
+        # a prompt of another conversation (a round discards fewer): keep what would be lost, bring back a better one
+        if self.prompt_cache is not None and max(len(tokens) - 1, len(self.tokens)) - n >= MIN_TOKENS:
             n = self.prompt_cache.swap(self, tokens, n)
         self.truncate(n)
         return n

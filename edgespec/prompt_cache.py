@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_CACHE_RAM_MIB = 1024  # about ten 2,500-token Qwen2.5-1.5B prompts with their draft model's
-MIN_TOKENS = 64  # a shorter prefix costs less to evaluate again than to keep and copy back
+# a shorter prefix costs less to evaluate again than to keep and copy back; and more than a
+# decode round ever discards (a 64-token draft), so rounds never save states
+MIN_TOKENS = 128
 
 
 @dataclass

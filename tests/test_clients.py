@@ -131,7 +131,8 @@ def test_alternating_conversations_reuse_their_prompts(server):
         return client.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=8).usage
 
     ask(aider["messages"])
-    ask(other)  # another conversation in between
+    ask([{"role": "user", "content": "Hi"}])  # other conversations in between, a short one too
+    ask(other)
     follow_up = [*aider["messages"][:-1], {"role": "user", "content": "Also rename x to item. Change nothing else."}]
     usage = ask(follow_up)
     assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
