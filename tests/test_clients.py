@@ -157,3 +157,17 @@ def test_parser_keeps_bad_json_as_text():
     first, _ = split.feed("hello <tool_")
     rest, calls = split.feed('call>{"name": "g", "arguments": {}}</tool_call>')
     assert first == "hello " and rest == "" and calls[0].name == "g"
+
+
+def test_cache_ram_zero_keeps_only_the_live_prompt():
+    s = Server("--pair", "smollm2-self", "--ctx", "1024", "--cache-ram", "0")
+    try:
+        sea = "You answer questions about the sea. " * 20
+        long = [{"role": "system", "content": sea}, {"role": "user", "content": "Hi"}]
+        client = s.client()
+        for messages in (long, [{"role": "user", "content": "Hi"}]):
+            client.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=4)
+        usage = client.chat.completions.create(model="x", messages=long, temperature=0, max_tokens=4).usage
+        assert usage.prompt_tokens_details.cached_tokens < 0.5 * usage.prompt_tokens
+    finally:
+        assert s.stop() == 0
