@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from unittest import mock
@@ -83,6 +84,7 @@ def run_bench(
         runs: dict[str, list] = {m: [] for m in modes}
         for r in range(repeats):
             for mode in modes if r % 2 == 0 else modes[::-1]:  # alternate the order between repeats
+                engine.forget()  # every run evaluates its prompt afresh: prefill is timed too
                 if mode == "llama":
                     runs[mode].append(llama.run(engine.prompt_tokens(prompt["text"]), max_tokens))
                     continue
@@ -101,6 +103,8 @@ def run_bench(
                     f"{stats.tokens_per_s:6.2f} tok/s"
                 )
         rows.append(_rows(prompt["name"], runs) | {"ceiling": _ceiling(verify_curve)})
+        if "auto" in runs:
+            rows[-1] |= _against_best_fixed(rows[-1]["modes"])
     return {
         "target": engine.target.path.name,
         "draft": draft_model.path.name if draft_model else None,
@@ -124,19 +128,25 @@ def _ceiling(curve: calibration.CostCurve) -> dict:
     return {"speedup": speedup, "pass_size": k}
 
 
+def _against_best_fixed(modes: dict) -> dict:
+    """The best fixed mode of the class (none, i.e. off, counts) and auto's ratio to it."""
+    fixed = {m: row["speedup"] for m, row in modes.items() if m not in ("auto", "llama")}
+    best = max(fixed, key=fixed.get)
+    return {"best_fixed": best, "auto_vs_best_fixed": modes["auto"]["speedup"] / fixed[best]}
+
+
 def _rows(name: str, runs: dict) -> dict:
     """Per mode: tokens/s over all repeats, the median over repeats of its ratio to none
-    in the same repeat, and what speculation did."""
+    in the same repeat, prefill tokens/s, and what speculation did."""
 
     def rate(samples):
-        if samples and isinstance(samples[0], tuple):  # llama baseline: (tokens, seconds)
-            return sum(n for n, _ in samples) / sum(s for _, s in samples)
         return sum(s.n_tokens for s in samples) / sum(s.decode_s for s in samples)
 
     out = {"prompt": name, "modes": {}}
     for mode, samples in runs.items():
         ratios = [rate([mine]) / rate([none]) for mine, none in zip(samples, runs["none"], strict=True)]
         row = {"tokens_per_s": rate(samples), "speedup": float(np.median(ratios))}
+        row["prefill_tokens_per_s"] = sum(s.n_prompt for s in samples) / sum(s.prefill_s for s in samples)
         if mode not in ("none", "llama"):
             drafted, accepted, rounds = (sum(getattr(s, k) for s in samples) for k in ("drafted", "accepted", "rounds"))
             drafting = sum(s.rounds - s.rounds_by_source.get("off", 0) for s in samples)
@@ -193,17 +203,28 @@ class _LlamaBaseline:
             )
         logger.setLevel(level)
 
-    def run(self, tokens: list[int], max_tokens: int) -> tuple[int, float]:
-        """Greedy tokens and seconds from the first to the last token (prefill excluded)."""
+    def run(self, tokens: list[int], max_tokens: int) -> LlamaRun:
+        """Greedy tokens; prefill is the time to the first token, decode from it to the last."""
         n, first, last = 0, 0.0, 0.0
+        start = perf_counter()
         for token in self.llm.generate(tokens, temp=0.0, top_k=1, reset=True):
             if self.target.is_eog(token) or n + 1 > max_tokens:
                 break
             n += 1
             last = perf_counter()
             first = first or last
-        # the first token's time is unknown (it comes with prefill): rate over the other n-1
-        return n, (last - first) * n / max(n - 1, 1)
+        # the first token's own step is in the prefill: the decode rate is over the other n-1
+        return LlamaRun(n, (last - first) * n / max(n - 1, 1), len(tokens), first - start)
+
+
+@dataclass
+class LlamaRun:
+    """One run of the llama-cpp-python baseline, in Stats' terms."""
+
+    n_tokens: int
+    decode_s: float
+    n_prompt: int
+    prefill_s: float
 
 
 def print_report(report: dict) -> None:
@@ -221,7 +242,7 @@ def print_report(report: dict) -> None:
     if report["draft_step_cost"] is not None:
         print(f"draft step: {report['draft_step_cost']:.2f} target steps")
     print(
-        f"{'prompt':<15}{'mode':<7}{'tok/s':>8}{'vs none':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
+        f"{'prompt':<15}{'mode':<7}{'tok/s':>8}{'vs none':>9}{'prefill':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
         f"{'E[n]':>7}  rounds"
     )
     for row in report["prompts"]:
@@ -232,6 +253,7 @@ def print_report(report: dict) -> None:
         )
         for mode, m in row["modes"].items():
             line = f"{row['prompt']:<15}{mode:<7}{m['tokens_per_s']:>8.2f}{m['speedup']:>8.2f}x"
+            line += f"{m['prefill_tokens_per_s']:>9.1f}"
             if "acceptance_rate" in m:
                 line += (
                     f"{m['acceptance_rate']:>7.2f}{m['tokens_per_round']:>10.2f}{m['mean_gamma']:>8.1f}"
@@ -240,3 +262,7 @@ def print_report(report: dict) -> None:
                 if m["accepted_prediction_tokens"] or m["rejected_prediction_tokens"]:
                     line += f" prediction +{m['accepted_prediction_tokens']}/-{m['rejected_prediction_tokens']}"
             print(line)
+        if "best_fixed" in row:
+            print(
+                f"{row['prompt']:<15}auto is {row['auto_vs_best_fixed']:.2f}x the best fixed mode ({row['best_fixed']})"
+            )

@@ -72,7 +72,9 @@ class CostCurve:
     def __call__(self, k: int) -> float:
         if self._table is None:
             ks = sorted(self.points)
-            values = [self.points[x] for x in ks]
+            # a pass over more tokens never costs less than one over fewer: a point timed
+            # below a smaller one was timed on a quieter moment, and is read as that one
+            values = np.maximum.accumulate([self.points[x] for x in ks]).tolist()
             if len(ks) == 1:
                 ks, values = [0, *ks], [0.0, *values]  # one point: proportional
             slope = (values[-1] - values[-2]) / (ks[-1] - ks[-2])

@@ -6,7 +6,13 @@ expected tokens per second, or no draft at all.
 
 V(k) is the measured cost of one target pass over k tokens (calibration.py), the
 draft cost is γ draft-model steps (a copy costs nothing) and α is each
-drafter's acceptance rate, learnt online in this request. A copy's α (per length
+drafter's acceptance rate, learnt online in this request. Each kind of round's cost
+is also checked against the seconds it really took (LiveCost): the curve is timed now
+and then, the rounds' real rates are the truest cost there is, so a drafter whose
+rounds run slower than planned loses its place within a few rounds. In auto mode a
+draft model that could not pay even at α = MODEL_GATE_ALPHA is left out of the
+request altogether (not even prefilled: on a CPU its prefill is a third of the
+prompt's time). A copy's α (per length
 of its alignment) is learnt from every token the target writes while a copy is
 aligned, drafted or not, so it needs no exploring; the draft model's plans use a
 draw from α's posterior (Thompson sampling), so it gets tried on little evidence
@@ -37,6 +43,9 @@ MODE_SOURCES = {
     "off": (),
 }
 MODEL_PRIOR_ALPHA = 0.7
+MODEL_GATE_ALPHA = 0.9  # auto mode runs the draft model only where it would pay at this α (a good pair's on code)
+LIVE_PRIOR_ROUNDS = 3.0  # pseudo-rounds at the planned cost behind each kind of round's measured cost
+LIVE_CLIP = 2.0  # one round moves its kind's cost by at most this factor (a page fault, a burst of load)
 COPY_MAX_PRIOR = 0.9999
 COPY_BUCKETS = ((2, 4), (8, 16), (16, 32), (64, float("inf")))  # (key, evidence below)
 PRIOR_WEIGHT = 6.0  # pseudo-observations behind the prior: draws stay near it until evidence comes
@@ -103,6 +112,29 @@ class Acceptance:
 
 
 @dataclass
+class LiveCost:
+    """How the seconds one kind of round really took compare with its plan: the
+    geometric mean of real/planned over recent rounds (decaying like the acceptance
+    evidence), shrunk toward 1 by LIVE_PRIOR_ROUNDS."""
+
+    log_ratio: float = 0.0  # decayed sum of log(real / planned)
+    rounds: float = 0.0  # decayed count
+
+    @property
+    def ratio(self) -> float:
+        return float(np.exp(self.log_ratio / (self.rounds + LIVE_PRIOR_ROUNDS)))
+
+    def observe(self, seconds: float, planned: float) -> None:
+        if seconds > 0 and planned > 0:
+            self.log_ratio += float(np.clip(np.log(seconds / planned), -np.log(LIVE_CLIP), np.log(LIVE_CLIP)))
+            self.rounds += 1
+
+    def decay(self) -> None:
+        self.log_ratio *= DECAY
+        self.rounds *= DECAY
+
+
+@dataclass
 class Plan:
     rate: float  # tokens per second it promises under this round's draw of α (what plans compete on)
     source: str  # "off", "model", "copy" or "prediction"
@@ -140,20 +172,21 @@ class Controller:
         available = {"model": model, "copy": copy}
         # the drafters this controller may plan for: only those the mode allows and that exist
         self.drafters = {s: available[s] for s in MODE_SOURCES[mode] if available[s] is not None}
+        if mode == "auto" and "model" in self.drafters and not self._model_can_pay(MODEL_GATE_ALPHA):
+            del self.drafters["model"]  # it would lose here whatever it drafts: not run, not prefilled
         self.acceptance: dict[str, Acceptance] = {}  # per "model" / copy_key()
+        self.live: dict[str, LiveCost] = {}  # per kind of round: "off", "model", "copy", "prediction"
         self.last: Plan = Plan(0.0, "off", 0)
         self._predicted = [0.0, 0.0]  # expected tokens and target steps of the plans chosen so far
         self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
 
     def prefill(self, context: list[int]) -> None:
-        if "copy" in self.drafters:
-            self.drafters["copy"].prefill(context)
-        # in auto mode a draft model that cannot pay even at α = 1 is never run, so not prefilled
-        if "model" in self.drafters and (self.mode != "auto" or self._model_can_pay()):
-            self.drafters["model"].prefill(context)
+        for drafter in self.drafters.values():
+            drafter.prefill(context)
 
-    def _model_can_pay(self) -> bool:
-        return any((g + 1) / self.model_cost(g) > self.off_rate() for g in range(1, MAX_MODEL_GAMMA + 1))
+    def _model_can_pay(self, alpha: float) -> bool:
+        gammas = range(1, MAX_MODEL_GAMMA + 1)
+        return any(expected_tokens(alpha, g) / self.model_cost(g) > self.off_rate() for g in gammas)
 
     def off_rate(self) -> float:
         return 1.0 / self.V(1)
@@ -168,8 +201,16 @@ class Controller:
         return self.acceptance[key]
 
     def cost(self, source: str, gamma: int) -> float:
-        """Expected seconds of a round: a copy is free, a model draft is not."""
+        """Expected seconds of a round: a copy is free, a model draft is not; as its kind of
+        round has really been running in this request (LiveCost)."""
+        return self.planned_cost(source, gamma) * self._live(source).ratio
+
+    def planned_cost(self, source: str, gamma: int) -> float:
+        """A round's seconds by the cost curves alone."""
         return self.model_cost(gamma) if source == "model" else self.V(gamma + 1)
+
+    def _live(self, source: str) -> LiveCost:
+        return self.live.setdefault(source, LiveCost())
 
     def _gammas(self, longest: int, cut_short: bool = False) -> list[int]:
         """Draft lengths worth planning: those whose verify pass has a size the cost curve
@@ -199,7 +240,7 @@ class Controller:
         if room <= 0 or self.mode == "off":
             return Plan(0.0, "off", 0)
         fixed = self.gamma
-        candidates = [Plan(self.off_rate(), "off", 0)] if self.adaptive else []
+        candidates = [Plan(1.0 / self.cost("off", 0), "off", 0)] if self.adaptive else []
         confident_copy = False
         if copy := self.drafters.get("copy"):
             lookup = copy.draft(context, min(room, fixed or MAX_COPY_DRAFT))
@@ -245,16 +286,17 @@ class Controller:
 
     def observe(self, draft: Draft, n_accepted: int, draft_s: float, verify_s: float) -> None:
         """Learn from a finished round: acceptance and the real costs."""
-        for acceptance in self.acceptance.values():
-            acceptance.decay()
+        if self.V is not None and self.last.rate > 0:  # on the costs the plan was made with; in
+            # steps, so the machine's drift is no part of the prediction (a round without a draft: 1 for 1)
+            seconds = self.cost(self.last.source, self.last.gamma)
+            self._predicted[0] += self.last.expected_rate * seconds
+            self._predicted[1] += seconds / self.cost("off", 0)
+        for learnt in (*self.acceptance.values(), *self.live.values()):
+            learnt.decay()
         if draft.tokens and draft.source not in COPY_SOURCES:  # copies learn from every token (plan())
             self._acceptance(self.last.key).observe(n_accepted, len(draft.tokens))
         if self.V is not None:
-            if self.last.rate > 0:  # on the curve the plan was made with; in steps, so the
-                # machine's drift is no part of the prediction (a round without a draft: 1 for 1)
-                seconds = self.cost(self.last.source, self.last.gamma)
-                self._predicted[0] += self.last.expected_rate * seconds
-                self._predicted[1] += seconds * self.off_rate()
+            self._live(draft.source).observe(draft_s + verify_s, self.planned_cost(draft.source, len(draft.tokens)))
             self.V.observe(len(draft.tokens) + 1, verify_s)
             if draft.source == "model" and draft.tokens and self.draft_step is not None:
                 self.draft_step.observe(1, draft_s / len(draft.tokens))

@@ -21,6 +21,7 @@ from .tools import CLOSE, ToolCall, ToolCallParser, ToolChoice, prepare, tool_ch
 
 Prompt = str | Sequence[Message]
 NO_TOOL_CHOICE = ToolChoice()
+RECHECK_SHARE = 0.05  # at most this share of an engine's time goes to timing costs again
 MAX_CHARS_PER_TOKEN = 256  # longer than any token of the tokenizers we know (Qwen2.5's longest: 128 bytes)
 
 
@@ -202,6 +203,9 @@ class Engine:
         self.draft_mode = draft_mode
         self._owned = [target] if owned is None else list(owned)
         self._costs: dict[tuple, calibration.CostCurve] = {}
+        # seconds of answering since the last cost re-check, less what re-checks cost / RECHECK_SHARE:
+        # many short answers must not each pay for one
+        self._recheck_credit = 0.0
 
     def cost_curve(self, model: Model, sizes=calibration.TARGET_SIZES) -> calibration.CostCurve:
         """V(k) of `model` on this machine: cached, else measured now (once)."""
@@ -328,6 +332,15 @@ class Engine:
         draft_cost = self.cost_curve(draft_model, calibration.DRAFT_SIZES) if adaptive and draft_model else None
         return Controller(mode, gamma, verify_cost, draft_cost, self.drafter, self.copy)
 
+    def forget(self) -> None:
+        """Empty the KV caches and the saved prompts: the next prompt is evaluated from
+        scratch (as bench needs, to time prefill)."""
+        for model in (self.target, getattr(self.drafter, "model", None)):
+            if model is not None:
+                model.truncate(0)
+                if model.prompt_cache is not None:
+                    model.prompt_cache.drop(model)
+
     def close(self) -> None:
         """Keep what real rounds taught about costs, then free llama.cpp's memory."""
         for (model, sizes), curve in self._costs.items():
@@ -391,9 +404,12 @@ class Engine:
                     break
         except ContextFull:
             stats.finish_reason = "context"
-        if controller.V is not None:  # costs measured long ago (maybe on a busy machine) are measured
-            # again: after the answer, so it never delays a first token
+        self._recheck_credit += stats.prefill_s + stats.decode_s
+        if controller.V is not None and self._recheck_credit >= 0:  # costs measured long ago (maybe on
+            # a busy machine) are measured again: after the answer, so it never delays a first token
+            start = perf_counter()
             calibration.recheck([(model, curve) for (model, _), curve in self._costs.items()])
+            self._recheck_credit -= (perf_counter() - start) / RECHECK_SHARE
         yield Event(text.flush(), None, None, stats)
 
 

@@ -261,3 +261,80 @@ def test_predicted_speedup_of_rounds_without_drafts_is_one_however_the_machine_d
         controller.observe(draft, 0, 0.0, 1.5 + i / 10)  # every step slower than the last
         controller.report(stats, draft, 0)
     assert stats.predicted_speedup == pytest.approx(1.0)
+
+
+# --- issue 16: costs as the rounds really run ---------------------------------------
+
+SLOW_DRAFT = CostCurve({1: 0.7, 2: 0.75})  # a draft step of 0.7 target steps: a CPU pair
+FLAT_CPU = CostCurve({1: 1.0, 2: 1.97, 4: 3.49, 8: 8.0, 16: 8.35})  # the 2-core EPYC's curve
+
+
+def test_auto_leaves_out_a_draft_model_that_cannot_pay_and_does_not_prefill_it():
+    class Counting(StubModelDrafter):
+        prefilled = 0
+
+        def prefill(self, context):
+            self.prefilled += 1
+
+    model = Counting()
+    controller = Controller("auto", None, FLAT_CPU, SLOW_DRAFT, model, CopyDrafter())
+    assert "model" not in controller.drafters
+    controller.prefill([1, 2, 3])
+    assert model.prefilled == 0 and controller.plan([1, 2, 3], 100).source == "off"
+    hybrid = Controller("hybrid", None, FLAT_CPU, SLOW_DRAFT, model, CopyDrafter())  # asked for: it runs
+    hybrid.prefill([1, 2, 3])
+    assert model.prefilled == 1
+    assert "model" in Controller("auto", None, GPU, DRAFT, model, CopyDrafter()).drafters
+
+
+def test_rounds_slower_than_planned_lose_their_place():
+    """The curve says the model pays (GPU), but its rounds really take three times as long:
+    within a few rounds the controller plans no draft."""
+    controller = adaptive()
+    controller._acceptance("model").accepted = 0.8 * 1e6
+    controller._acceptance("model").rejected = 0.2 * 1e6
+    assert controller.plan([1, 2, 3], 100).source == "model"
+    rounds = 0
+    while controller.plan([1, 2, 3], 100).source == "model":
+        plan = controller.last = controller.plan([1, 2, 3], 100)
+        draft = Draft([0] * plan.gamma, None, source="model")
+        controller.observe(draft, plan.gamma, 3 * DRAFT(1) * plan.gamma, 3 * GPU(plan.gamma + 1))
+        rounds += 1
+        assert rounds <= 5
+    assert controller.live["model"].ratio > 1.3
+
+
+def test_a_machine_slow_for_everything_changes_no_choice():
+    """Every kind of round slowed alike (a busy machine), rounds of each kind coming in
+    turn: the comparison, a ratio of costs measured close together, stays."""
+    controller = adaptive()
+    before = controller.plan([1, 2, 3], 100)
+    for i in range(40):
+        source, gamma = ("off", 0) if i % 2 else ("model", before.gamma)
+        controller.last = Plan(1.0, source, gamma, key="model" if gamma else "")
+        draft = Draft([0] * gamma, None, source=source)
+        controller.observe(draft, gamma, 2 * DRAFT(1) * gamma, 2 * controller.V(gamma + 1))
+    after = controller.plan([1, 2, 3], 100)
+    assert after.source == before.source == "model"
+    assert controller.live["model"].ratio == pytest.approx(controller.live["off"].ratio, rel=0.15)
+
+
+def test_a_pass_over_more_tokens_never_costs_less():
+    curve = CostCurve({1: 1.0, 2: 1.9, 4: 1.2, 8: 4.0})  # V(4) timed on a quiet moment
+    assert all(curve(k + 1) >= curve(k) for k in range(1, 8))
+
+
+def test_short_answers_spend_little_on_rechecks(monkeypatch, smollm2):
+    spent = []
+
+    def slow_recheck(curves):
+        time.sleep(0.02)
+        spent.append(0.02)
+
+    monkeypatch.setattr(calibration, "recheck", slow_recheck)
+    engine = Engine(smollm2, None)
+    answered = 0.0
+    for i in range(60):
+        stats = engine.generate(f"Say {i}.", temperature=0, max_tokens=2).stats
+        answered += stats.prefill_s + stats.decode_s
+    assert 1 <= len(spent) and sum(spent) <= 0.02 + 0.05 * answered
