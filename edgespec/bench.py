@@ -206,6 +206,7 @@ class _LlamaBaseline:
     def run(self, tokens: list[int], max_tokens: int) -> LlamaRun:
         """Greedy tokens; prefill is the time to the first token, decode from it to the last."""
         n, first, last = 0, 0.0, 0.0
+        self.llm.reset()  # or it would reuse the prompt it evaluated last time: prefill is timed too
         start = perf_counter()
         for token in self.llm.generate(tokens, temp=0.0, top_k=1, reset=True):
             if self.target.is_eog(token) or n + 1 > max_tokens:

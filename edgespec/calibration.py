@@ -39,6 +39,7 @@ FLASH_RECHECK_S = 86400.0  # choose flash attention again (at load) when the cho
 # a time above this bound was disturbed by other load
 BATCH_SLACK = 1.1
 MEASURE_RETRIES = 2  # times a disturbed point is timed again
+DISTURBED = 0.15  # single steps timed before and after a calibration this far apart: the load changed
 PROBE_DEPTH = 16  # tokens in the cache while timing (a deeper cache costs seconds to fill)
 FLASH_PROBE_SIZES = (1, 16)  # decode and a verify pass, timed with flash attention on and off
 # On a CPU flash attention loses ground as the cache grows (measured on a 2-core EPYC, 1.5B
@@ -191,16 +192,28 @@ _probed: dict[str, dict[int, float]] = {}
 
 def measure(model: Model, sizes) -> CostCurve:
     """Time each size: the single step a few times, the others once, and again (keeping
-    the fastest) where a pass cost more than its tokens one at a time would."""
+    the fastest) where a pass cost more than its tokens one at a time would. The single
+    step is timed again at the end: if the machine's load changed meanwhile (the two
+    differ by DISTURBED, or a pass had to be timed again), every point is due for a
+    re-check at once, so a curve taken on a busy machine is renewed over the next answers."""
     sizes = [k for k in sizes if PROBE_DEPTH + k < model.n_ctx]
     known = _probed.get(_key(model, ()), {})
     points = {k: known[k] if k in known else _time(model, k, 3 if k == 1 else 1) for k in sizes}
+    disturbed = False
     for k in sizes:
         for _ in range(MEASURE_RETRIES):
             if k == 1 or points[k] <= _bound(k, points[1]):
                 break
+            disturbed = True
             points[k] = min(points[k], _time(model, k, 1))
-    return CostCurve(points)
+    if 1 in points:
+        again = _time(model, 1, 3)
+        disturbed |= abs(again - points[1]) > DISTURBED * min(again, points[1])
+        points[1] = min(points[1], again)
+    curve = CostCurve(points)
+    if disturbed:
+        curve.checked = {k: 0.0 for k in curve.points}
+    return curve
 
 
 def load_or_measure(model: Model, sizes=TARGET_SIZES) -> CostCurve:

@@ -44,6 +44,10 @@ MODE_SOURCES = {
 }
 MODEL_PRIOR_ALPHA = 0.7
 MODEL_GATE_ALPHA = 0.9  # auto mode runs the draft model only where it would pay at this α (a good pair's on code)
+# A draft must promise this much more than none: a plan that wins by less wins on the error of
+# its α estimate (measured, Qwen pair on chat and code writing: copies planned at 1.00-1.06x
+# of no draft accepted 0.47 of their tokens, not the 0.7-0.85 estimated, and cost 2-5%)
+MIN_GAIN = 0.05
 LIVE_PRIOR_ROUNDS = 3.0  # pseudo-rounds at the planned cost behind each kind of round's measured cost
 LIVE_CLIP = 2.0  # one round moves its kind's cost by at most this factor (a page fault, a burst of load)
 COPY_MAX_PRIOR = 0.9999
@@ -115,14 +119,19 @@ class Acceptance:
 class LiveCost:
     """How the seconds one kind of round really took compare with its plan: the
     geometric mean of real/planned over recent rounds (decaying like the acceptance
-    evidence), shrunk toward 1 by LIVE_PRIOR_ROUNDS."""
+    evidence), shrunk by LIVE_PRIOR_ROUNDS toward a prior ratio (for a kind of round,
+    that of all rounds: a kind not run yet is as slow as the machine is now, not as the
+    curve says, or it would look cheaper than the kinds that have run)."""
 
     log_ratio: float = 0.0  # decayed sum of log(real / planned)
     rounds: float = 0.0  # decayed count
 
     @property
     def ratio(self) -> float:
-        return float(np.exp(self.log_ratio / (self.rounds + LIVE_PRIOR_ROUNDS)))
+        return self.ratio_toward(1.0)
+
+    def ratio_toward(self, prior: float) -> float:
+        return float(np.exp((self.log_ratio + LIVE_PRIOR_ROUNDS * np.log(prior)) / (self.rounds + LIVE_PRIOR_ROUNDS)))
 
     def observe(self, seconds: float, planned: float) -> None:
         if seconds > 0 and planned > 0:
@@ -175,7 +184,7 @@ class Controller:
         if mode == "auto" and "model" in self.drafters and not self._model_can_pay(MODEL_GATE_ALPHA):
             del self.drafters["model"]  # it would lose here whatever it drafts: not run, not prefilled
         self.acceptance: dict[str, Acceptance] = {}  # per "model" / copy_key()
-        self.live: dict[str, LiveCost] = {}  # per kind of round: "off", "model", "copy", "prediction"
+        self.live: dict[str, LiveCost] = {}  # per kind of round ("off", "model", "copy", "prediction") and "all"
         self.last: Plan = Plan(0.0, "off", 0)
         self._predicted = [0.0, 0.0]  # expected tokens and target steps of the plans chosen so far
         self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
@@ -186,7 +195,7 @@ class Controller:
 
     def _model_can_pay(self, alpha: float) -> bool:
         gammas = range(1, MAX_MODEL_GAMMA + 1)
-        return any(expected_tokens(alpha, g) / self.model_cost(g) > self.off_rate() for g in gammas)
+        return any(expected_tokens(alpha, g) / self.model_cost(g) > (1 + MIN_GAIN) * self.off_rate() for g in gammas)
 
     def off_rate(self) -> float:
         return 1.0 / self.V(1)
@@ -203,7 +212,7 @@ class Controller:
     def cost(self, source: str, gamma: int) -> float:
         """Expected seconds of a round: a copy is free, a model draft is not; as its kind of
         round has really been running in this request (LiveCost)."""
-        return self.planned_cost(source, gamma) * self._live(source).ratio
+        return self.planned_cost(source, gamma) * self._live(source).ratio_toward(self._live("all").ratio)
 
     def planned_cost(self, source: str, gamma: int) -> float:
         """A round's seconds by the cost curves alone."""
@@ -240,7 +249,10 @@ class Controller:
         if room <= 0 or self.mode == "off":
             return Plan(0.0, "off", 0)
         fixed = self.gamma
-        candidates = [Plan(1.0 / self.cost("off", 0), "off", 0)] if self.adaptive else []
+        candidates = []
+        if self.adaptive:
+            off_rate = 1.0 / self.cost("off", 0)
+            candidates.append(Plan((1 + MIN_GAIN) * off_rate, "off", 0, expected_rate=off_rate))
         confident_copy = False
         if copy := self.drafters.get("copy"):
             lookup = copy.draft(context, min(room, fixed or MAX_COPY_DRAFT))
@@ -296,7 +308,9 @@ class Controller:
         if draft.tokens and draft.source not in COPY_SOURCES:  # copies learn from every token (plan())
             self._acceptance(self.last.key).observe(n_accepted, len(draft.tokens))
         if self.V is not None:
-            self._live(draft.source).observe(draft_s + verify_s, self.planned_cost(draft.source, len(draft.tokens)))
+            planned = self.planned_cost(draft.source, len(draft.tokens))
+            for kind in (draft.source, "all"):
+                self._live(kind).observe(draft_s + verify_s, planned)
             self.V.observe(len(draft.tokens) + 1, verify_s)
             if draft.source == "model" and draft.tokens and self.draft_step is not None:
                 self.draft_step.observe(1, draft_s / len(draft.tokens))
