@@ -117,6 +117,10 @@ class CostCurve:
             self._set(k, self.points[1] * _toward(self(k) / self.points[1], seconds / step))
             self.checked[k] = now
 
+    def mark_stale(self) -> None:
+        """Every point is due for a re-check (the curve was found to be measured on a busy machine)."""
+        self.checked = {k: 0.0 for k in self.points}
+
     def due(self) -> int | None:
         """The point to time again now, with a single step (its unit): the one checked
         longest ago, once that is older than RECHECK_S; else None. One point per answer
@@ -212,7 +216,7 @@ def measure(model: Model, sizes) -> CostCurve:
         points[1] = min(points[1], again)
     curve = CostCurve(points)
     if disturbed:
-        curve.checked = {k: 0.0 for k in curve.points}
+        curve.mark_stale()
     return curve
 
 
@@ -233,10 +237,16 @@ def save(model: Model, sizes, curve: CostCurve) -> None:
     store.write(_key(model, sizes), curve.to_json())
 
 
-def recheck(curves: list[tuple[Model, CostCurve]]) -> None:
-    """Measure again what is due (CostCurve.due), alternating between the models so that
-    both see the same load."""
-    plans = [(model, curve, k) for model, curve in curves if (k := curve.due()) is not None]
+def recheck(curves: list[tuple[Model, CostCurve]], *, every: bool = False) -> None:
+    """Measure again what is due (CostCurve.due: a point a curve), alternating between the
+    models so that both see the same load; every: until nothing is due."""
+    while plans := [(model, curve, k) for model, curve in curves if (k := curve.due()) is not None]:
+        _recheck(plans)
+        if not every:
+            return
+
+
+def _recheck(plans: list[tuple[Model, CostCurve, int]]) -> None:
     steps: list[list[float]] = [[] for _ in plans]
     passes = [_time(model, k, 1) for model, _, k in plans]
     for _ in range(2):  # the cheap single step twice (the faster counts)

@@ -50,6 +50,9 @@ MODEL_GATE_ALPHA = 0.9  # auto mode runs the draft model only where it would pay
 MIN_GAIN = 0.05
 LIVE_PRIOR_ROUNDS = 3.0  # pseudo-rounds at the planned cost behind each kind of round's measured cost
 LIVE_CLIP = 2.0  # one round moves its kind's cost by at most this factor (a page fault, a burst of load)
+# rounds running this much faster than the curves say, over this many rounds: the curves were
+# measured on a busy machine (other load only ever adds time) and are measured again
+STALE_RATIO, STALE_ROUNDS = 0.8, 8.0
 COPY_MAX_PRIOR = 0.9999
 COPY_BUCKETS = ((2, 4), (8, 16), (16, 32), (64, float("inf")))  # (key, evidence below)
 PRIOR_WEIGHT = 6.0  # pseudo-observations behind the prior: draws stay near it until evidence comes
@@ -196,6 +199,11 @@ class Controller:
     def _model_can_pay(self, alpha: float) -> bool:
         gammas = range(1, MAX_MODEL_GAMMA + 1)
         return any(expected_tokens(alpha, g) / self.model_cost(g) > (1 + MIN_GAIN) * self.off_rate() for g in gammas)
+
+    def costs_look_stale(self) -> bool:
+        """Whether this request's rounds ran far faster than the cost curves say (STALE_RATIO)."""
+        seen = self.live.get("all")
+        return seen is not None and seen.rounds >= STALE_ROUNDS and seen.ratio < STALE_RATIO
 
     def off_rate(self) -> float:
         return 1.0 / self.V(1)

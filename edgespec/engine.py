@@ -405,10 +405,15 @@ class Engine:
         except ContextFull:
             stats.finish_reason = "context"
         self._recheck_credit += stats.prefill_s + stats.decode_s
-        if controller.V is not None and self._recheck_credit >= 0:  # costs measured long ago (maybe on
-            # a busy machine) are measured again: after the answer, so it never delays a first token
+        curves = [(model, curve) for (model, _), curve in self._costs.items()]
+        if controller.V is not None and controller.costs_look_stale():  # timed on a busy machine:
+            for _, curve in curves:  # all of it again now, whatever the budget (once: then it is right)
+                curve.mark_stale()
+            calibration.recheck(curves, every=True)
+        elif controller.V is not None and self._recheck_credit >= 0:  # costs measured long ago (maybe
+            # on a busy machine) are measured again: after the answer, so it never delays a first token
             start = perf_counter()
-            calibration.recheck([(model, curve) for (model, _), curve in self._costs.items()])
+            calibration.recheck(curves)
             self._recheck_credit -= (perf_counter() - start) / RECHECK_SHARE
         yield Event(text.flush(), None, None, stats)
 

@@ -359,3 +359,16 @@ def test_a_calibration_whose_load_changed_is_due_again_at_once(monkeypatch, smol
     assert curve(1) == pytest.approx(0.03)
     monkeypatch.setattr(calibration, "_time", lambda model, k, tries: 0.03 * k)  # a steady machine
     assert calibration.measure(smollm2, (1, 2, 4)).due() is None
+
+
+def test_a_curve_timed_on_a_busy_machine_is_renewed_after_one_answer(tmp_path, monkeypatch, smollm2):
+    """Cached costs three times too high and timed just now (nothing is due by age): the
+    first answer's rounds run far faster than they say, so all of it is timed again."""
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    quiet = calibration.measure(smollm2, calibration.TARGET_SIZES)
+    calibration.save(smollm2, calibration.TARGET_SIZES, CostCurve({k: 3 * v for k, v in quiet.points.items()}))
+    engine = Engine(smollm2, None)
+    engine.generate("Count from one to twenty.", temperature=0, max_tokens=40)
+    renewed = engine.cost_curve(smollm2)
+    assert renewed(1) < 1.5 * quiet(1) and renewed(16) < 1.5 * quiet(16)
+    assert renewed.due() is None
