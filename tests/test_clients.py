@@ -35,13 +35,16 @@ def server():
 
 
 def test_aider_whole_edit_streams_to_its_natural_end(server):
+    """Without max_tokens the answer ends where the model stops, or where the context is full
+    (SmolLM2 may loop on aider's prompt: which one depends on float near-ties), never earlier."""
     body = recorded("aider-whole-edit.json")
     assert "max_tokens" not in body and body["stream"] is True
-    finish = None
-    for chunk in server.client().chat.completions.create(**body):
+    finish = usage = None
+    for chunk in server.client().chat.completions.create(**body, stream_options={"include_usage": True}):
         if chunk.choices:
             finish = chunk.choices[0].finish_reason or finish
-    assert finish == "stop"
+        usage = chunk.usage or usage
+    assert finish == "stop" or (finish == "length" and usage.total_tokens >= CTX), (finish, usage)
 
 
 def test_no_max_tokens_means_until_the_context_is_full(server):
