@@ -19,6 +19,7 @@ from edgespec.loader import resolve_model
 
 CRASH = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
 HANG = [sys.executable, "-c", "import time; time.sleep(60)"]
+WORKS = [sys.executable, "-c", 'print(\'{"prompt": 0.4, "verify": 0.15, "step": 0.03}\')']  # a probe that ran
 
 # what crashed on Intel CPUs with AMX: any decode of 2+ tokens, here the prompt and a verify pass
 BATCHED = """
@@ -82,8 +83,8 @@ def test_crashing_repacked_kernels_load_without_repacking(fresh_store, monkeypat
 
 
 def test_a_hanging_probe_counts_as_a_crash(fresh_store, monkeypatch, smollm2_path):
-    monkeypatch.setattr(kernels, "PROBE_TIMEOUT_S", 1.0)
-    fake_probes(monkeypatch, off=HANG)
+    monkeypatch.setattr(kernels, "PROBE_TIMEOUT_S", 2.0)
+    fake_probes(monkeypatch, on=WORKS, off=HANG)
     model = Model(smollm2_path, n_ctx=128)
     assert model.repack is True
     model.close()
