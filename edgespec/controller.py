@@ -22,6 +22,7 @@ drafter switched off for losing is tried again later.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,11 +135,11 @@ class LiveCost:
         return self.ratio_toward(1.0)
 
     def ratio_toward(self, prior: float) -> float:
-        return float(np.exp((self.log_ratio + LIVE_PRIOR_ROUNDS * np.log(prior)) / (self.rounds + LIVE_PRIOR_ROUNDS)))
+        return math.exp((self.log_ratio + LIVE_PRIOR_ROUNDS * math.log(prior)) / (self.rounds + LIVE_PRIOR_ROUNDS))
 
     def observe(self, seconds: float, planned: float) -> None:
         if seconds > 0 and planned > 0:
-            self.log_ratio += float(np.clip(np.log(seconds / planned), -np.log(LIVE_CLIP), np.log(LIVE_CLIP)))
+            self.log_ratio += min(max(math.log(seconds / planned), -math.log(LIVE_CLIP)), math.log(LIVE_CLIP))
             self.rounds += 1
 
     def decay(self) -> None:

@@ -273,8 +273,8 @@ class Engine:
             text.append(event.text)
             if not event.done:
                 tokens.append(event.token)
-        choice = tool_choice_of(kwargs.get("tools"), kwargs.get("tool_choice"))
-        if not kwargs.get("tools") or choice.mode == "none":
+        choice = tool_choice_of(kwargs.get("tools"), kwargs.get("tool_choice"))  # as stream() read it
+        if choice.mode == "none":
             return Generation("".join(text), tokens, event.stats)
         parser = ToolCallParser(choice.opening, parallel=kwargs.get("parallel_tool_calls", True))
         head, _ = parser.feed("".join(text))
