@@ -29,21 +29,24 @@ import numpy as np
 
 from .calibration import CostCurve
 from .drafters import SOURCE_NAMES as COPY_SOURCES
-from .drafters import CopyDrafter, Draft, Drafter
+from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter
 from .errors import EdgespecError
+from .grammar import Grammar
 from .sampling import SamplingParams
 
 MODES = ("auto", "model", "copy", "hybrid", "off")
 # the drafters each mode may draw on; a controller keeps only those that exist, so a plan
 # for a missing drafter cannot be made (auto without a draft model: copy or nothing)
+# (copy also names the free drafts: copies and, under a grammar, the text it forces)
 MODE_SOURCES = {
-    "auto": ("copy", "model"),
+    "auto": ("copy", "grammar", "model"),
     "model": ("model",),
-    "copy": ("copy",),
-    "hybrid": ("copy", "model"),
+    "copy": ("copy", "grammar"),
+    "hybrid": ("copy", "grammar", "model"),
     "off": (),
 }
 MODEL_PRIOR_ALPHA = 0.7
+GRAMMAR_PRIOR_ALPHA = 0.9  # forced text is certain; only the target's split of it into tokens may differ
 MODEL_GATE_ALPHA = 0.9  # auto mode runs the draft model only where it would pay at this α (a good pair's on code)
 # A draft must promise this much more than none: a plan that wins by less wins on the error of
 # its α estimate (measured, Qwen pair on chat and code writing: copies planned at 1.00-1.06x
@@ -87,6 +90,8 @@ def prior_alpha(key: str) -> float:
     longer its alignment has held (0.57 for a fresh anchor, 0.84, 0.96, then ~1)."""
     if key == "model":
         return MODEL_PRIOR_ALPHA
+    if key == "grammar":
+        return GRAMMAR_PRIOR_ALPHA
     evidence = int(key.lstrip("abcdefghijklmnopqrstuvwxyz"))
     return min(COPY_MAX_PRIOR, 1 - 0.5 * 0.85 ** (evidence - 1))
 
@@ -150,7 +155,7 @@ class LiveCost:
 @dataclass
 class Plan:
     rate: float  # tokens per second it promises under this round's draw of α (what plans compete on)
-    source: str  # "off", "model", "copy" or "prediction"
+    source: str  # "off", "model", "copy", "prediction" or "grammar"
     gamma: int
     draft: Draft | None = None  # a copy draft is made while planning (it is free)
     key: str = ""  # whose acceptance rate: "model", or a copy_key()
@@ -177,18 +182,19 @@ class Controller:
         draft_step_cost: CostCurve | None,
         model: Drafter | None,
         copy: CopyDrafter,
+        forced: GrammarDrafter | None = None,
     ) -> None:
         check_mode(mode, has_model=model is not None)
         self.mode, self.gamma = mode, gamma
         self.adaptive = mode == "auto" or gamma is None
         self.V, self.draft_step = verify_cost, draft_step_cost
-        available = {"model": model, "copy": copy}
+        available = {"model": model, "copy": copy, "grammar": forced}
         # the drafters this controller may plan for: only those the mode allows and that exist
         self.drafters = {s: available[s] for s in MODE_SOURCES[mode] if available[s] is not None}
         if mode == "auto" and "model" in self.drafters and not self._model_can_pay(MODEL_GATE_ALPHA):
             del self.drafters["model"]  # it would lose here whatever it drafts: not run, not prefilled
         self.acceptance: dict[str, Acceptance] = {}  # per "model" / copy_key()
-        self.live: dict[str, LiveCost] = {}  # per kind of round ("off", "model", "copy", "prediction") and "all"
+        self.live: dict[str, LiveCost] = {}  # per kind of round (Plan.source) and "all"
         self.last: Plan = Plan(0.0, "off", 0)
         self._predicted = [0.0, 0.0]  # expected tokens and target steps of the plans chosen so far
         self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
@@ -253,8 +259,9 @@ class Controller:
         rate = expected_tokens(acceptance.sample(self._rng), gamma) / self.cost(source, gamma)
         return Plan(rate, source, gamma, key=key, expected_rate=expected)
 
-    def plan(self, context: list[int], room: int) -> Plan:
-        """The round's plan; a copy plan carries its draft already."""
+    def plan(self, context: list[int], room: int, grammar: Grammar | None = None) -> Plan:
+        """The round's plan; a copy or forced plan carries its draft already. Under a
+        grammar, a copy is cut where the grammar forbids it (the rest would be rejected)."""
         if room <= 0 or self.mode == "off":
             return Plan(0.0, "off", 0)
         fixed = self.gamma
@@ -265,6 +272,8 @@ class Controller:
         confident_copy = False
         if copy := self.drafters.get("copy"):
             lookup = copy.draft(context, min(room, fixed or MAX_COPY_DRAFT))
+            if grammar is not None:
+                lookup.tokens = grammar.allowed_prefix(lookup.tokens)
             # every token the target wrote while a copy was aligned says whether the copy was
             # right: α per evidence level is learnt from all of them, drafted or not
             for source, evidence, matched in copy.take_outcomes():
@@ -283,6 +292,16 @@ class Controller:
                     plan = Plan(1.0, lookup.source, gammas[0], key=key)
                 plan.draft = Draft(lookup.tokens[: plan.gamma], None, source=lookup.source)
                 candidates.append(plan)
+        if grammar is not None and (forced := self.drafters.get("grammar")):
+            text = forced.draft(context, min(room, fixed or MAX_COPY_DRAFT), grammar=grammar)
+            if text.tokens:
+                gammas = [len(text.tokens)] if fixed else self._gammas(len(text.tokens), True)
+                if self.adaptive:
+                    plan = self._best("grammar", "grammar", gammas, evidence=len(text.tokens))
+                else:
+                    plan = Plan(1.0, "grammar", gammas[0], key="grammar")
+                plan.draft = Draft(text.tokens[: plan.gamma], None, source="grammar")
+                candidates.append(plan)
         # hybrid: the model only where the lookup has no confident match
         if "model" in self.drafters and not (self.mode == "hybrid" and confident_copy):
             gammas = [min(fixed, room)] if fixed else self._gammas(min(MAX_MODEL_GAMMA, room), room < MAX_MODEL_GAMMA)
@@ -290,9 +309,17 @@ class Controller:
             candidates.append(plan)
         return max(candidates, key=lambda p: p.rate) if candidates else Plan(0.0, "off", 0)
 
-    def propose(self, context: list[int], room: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        """This round's draft (possibly empty: speculation off for the round)."""
-        plan = self.last = self.plan(context, room)
+    def propose(
+        self,
+        context: list[int],
+        room: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+        grammar: Grammar | None = None,
+    ) -> Draft:
+        """This round's draft (possibly empty: speculation off for the round); under
+        `grammar` (in its state after `context`), one the grammar allows."""
+        plan = self.last = self.plan(context, room, grammar)
         if plan.source == "off":
             return Draft([], None, source="off")
         if plan.draft is not None:
@@ -303,7 +330,7 @@ class Controller:
             # what its extra cost (one draft step + the verify batch growing) earns at this plan's rate
             step = self.draft_step(1) if self.draft_step else 0.0
             stop_below = [plan.rate * (step + self.V(i + 2) - self.V(i + 1)) for i in range(plan.gamma)]
-        return self.drafters[plan.source].draft(context, plan.gamma, params, rng, stop_below)
+        return self.drafters[plan.source].draft(context, plan.gamma, params, rng, stop_below, grammar=grammar)
 
     def observe(self, draft: Draft, n_accepted: int, draft_s: float, verify_s: float) -> None:
         """Learn from a finished round: acceptance and the real costs."""

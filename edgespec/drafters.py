@@ -14,8 +14,9 @@ from typing import Protocol
 
 import numpy as np
 
+from .grammar import MAX_FORCED_CHARS, Grammar
 from .model import Model
-from .sampling import SamplingParams, distribution, sample
+from .sampling import SamplingParams, constrained, constrained_argmax, distribution, sample
 
 
 @dataclass
@@ -38,10 +39,14 @@ class Drafter(Protocol):
         params: SamplingParams,
         rng: np.random.Generator,
         stop_below: Sequence[float] = (),
+        grammar: Grammar | None = None,
     ) -> Draft:
         """Propose up to n tokens to follow `context`. A drafter that knows its
         confidence stops before token i once the product of its confidences in
-        tokens 0..i falls below stop_below[i] (a hint; others may ignore it)."""
+        tokens 0..i falls below stop_below[i] (a hint; others may ignore it).
+        grammar: the answer's grammar in its state after `context` (not to be advanced:
+        clone it to walk ahead); a drafter that samples masks its q with it, so that
+        min(1, p_g/q_g) stays exact."""
 
 
 class ModelDrafter:
@@ -55,22 +60,28 @@ class ModelDrafter:
         kept = self.model.sync(context)
         self.model.eval(context[kept:-1])
 
-    def draft(self, context, n, params, rng, stop_below=()) -> Draft:
+    def draft(self, context, n, params, rng, stop_below=(), grammar=None) -> Draft:
         model = self.model
+        walk = grammar.clone() if grammar is not None else None  # the grammar along this draft
         # the cache may hold rejected drafts from the last round: keep only the agreed prefix
         kept = model.sync(context)
         logits = model.eval(context[kept:])
         tokens: list[int] = []
         q_rows = None if params.greedy else np.zeros((n, self.target_vocab))  # padded to the target's vocab
         p_all = 1.0  # the draft's own estimate that every token so far is accepted
+        shared = min(model.n_vocab, self.target_vocab)  # token ids both vocabularies have
         while True:
             if params.greedy:
-                token = int(np.argmax(logits))
+                token = int(np.argmax(logits)) if walk is None else constrained_argmax(logits[:shared], walk.allows)
+                # (without the grammar's mask: a hint is all it needs to be)
                 confidence = 1.0 / np.exp(logits - logits[token]).sum() if stop_below else 1.0
             else:
                 q = q_rows[len(tokens)]
-                q[: model.n_vocab] = distribution(logits, params)[: self.target_vocab]
-                q /= q.sum()
+                if walk is None:
+                    q[:shared] = distribution(logits, params)[:shared]
+                    q /= q.sum()
+                else:
+                    q[:shared] = constrained(logits[:shared], params, walk.allows)
                 token = sample(q, rng.random())
                 confidence = q[token]
             p_all *= confidence
@@ -79,6 +90,8 @@ class ModelDrafter:
             tokens.append(token)
             if len(tokens) == n or model.is_eog(token):  # nothing useful follows an end of generation
                 break
+            if walk is not None:
+                walk.accept(token)
             logits = model.eval([token])
         return Draft(tokens, None if q_rows is None else q_rows[: len(tokens)], source="model")
 
@@ -170,7 +183,7 @@ class CopyDrafter:
         if self.sources[PREDICTION]:  # the client says the answer will largely repeat it
             self.ptr = (PREDICTION, 0)
 
-    def draft(self, context, n, params=None, rng=None, stop_below=()) -> Draft:
+    def draft(self, context, n, params=None, rng=None, stop_below=(), grammar=None) -> Draft:
         self._follow(context)
         if self.ptr is None:
             self._anchor()
@@ -343,3 +356,23 @@ class CopyDrafter:
             if found := self.indexes[CONTEXT].tables[n].get(key):
                 self.ptr, self.evidence = (CONTEXT, found[-1]), n
                 return
+
+
+class GrammarDrafter:
+    """Drafts what the grammar forces: where it allows one continuation only (a schema's
+    keys, JSON punctuation, closing brackets), that text's tokens, as a point mass. Free
+    (no model runs); the target still verifies them, since it may split the text into
+    other tokens than the tokenizer does alone."""
+
+    def __init__(self, vocab: Model, max_chars: int = MAX_FORCED_CHARS) -> None:
+        self.vocab = vocab
+        self.max_chars = max_chars
+
+    def prefill(self, context: list[int]) -> None:
+        pass
+
+    def draft(self, context, n, params=None, rng=None, stop_below=(), grammar=None) -> Draft:
+        if grammar is None or not (text := grammar.forced_text(self.max_chars)):
+            return Draft([], None, source="grammar")
+        tokens = self.vocab.tokenize(text, add_special=False)
+        return Draft(grammar.allowed_prefix(tokens)[:n], None, source="grammar")

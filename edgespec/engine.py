@@ -12,10 +12,19 @@ import numpy as np
 from . import calibration
 from .chat import Message, PromptTooLong, render
 from .controller import Controller, check_mode, expected_tokens
-from .drafters import CopyDrafter, Drafter
+from .drafters import CopyDrafter, Drafter, GrammarDrafter
 from .errors import EdgespecError
+from .grammar import Grammar, grammar_text
 from .model import ContextFull, Model
-from .sampling import SamplingParams, distribution, position_uniforms, verify, verify_greedy
+from .sampling import (
+    SamplingParams,
+    constrained,
+    constrained_argmax,
+    distribution,
+    position_uniforms,
+    verify,
+    verify_greedy,
+)
 from .text import TextStream
 from .tools import CLOSE, ToolCall, ToolCallParser, ToolChoice, prepare, tool_choice_of
 
@@ -199,6 +208,7 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.copy = CopyDrafter(vocab=target)
+        self.forced = GrammarDrafter(target)
         self.gamma = gamma
         self.draft_mode = draft_mode
         self._owned = [target] if owned is None else list(owned)
@@ -233,6 +243,8 @@ class Engine:
         tools: list[dict] | None = None,
         tool_choice: ToolChoice | str | dict | None = None,
         parallel_tool_calls: bool = True,
+        grammar: str | None = None,
+        json_schema: dict | str | None = None,
     ) -> Iterator[Event]:
         """Generate an answer to `prompt` token by token.
 
@@ -252,7 +264,12 @@ class Engine:
         ToolChoice. "required" and a function start the answer with the call's opening,
         which the events do not repeat: read them with ToolCallParser(choice.opening), or
         use generate(), which returns the calls parsed. A named function, or
-        parallel_tool_calls=False, ends the answer with the (first) call."""
+        parallel_tool_calls=False, ends the answer with the (first) call.
+        grammar: GBNF text (root rule `root`) the answer must match; json_schema: a JSON
+        schema (dict or JSON text) the answer must be an instance of, written on one line
+        in json.dumps's style ({"type": "object"}: any JSON object). The answer is drawn from
+        the target's law masked by the grammar, exactly, with or without speculation; text
+        the grammar forces (keys, punctuation) is drafted for free (see grammar.py)."""
         gamma = self.gamma if gamma is None else gamma
         gamma = None if gamma in (None, "auto") else check_gamma(gamma)
         mode = "off" if not speculative else (draft_mode or self.draft_mode)
@@ -262,9 +279,11 @@ class Engine:
         tokens = self.prompt_tokens(prompt, raw=raw, tools=tools, tool_choice=choice)
         if tools and choice.mode != "none" and (choice.one_call or not parallel_tool_calls):
             stop = [*stop, CLOSE]
+        gbnf = grammar_text(grammar, json_schema)
+        constraint = Grammar(self.target, gbnf) if gbnf is not None else None
         controller = self._controller(mode, gamma)
         self.copy.set_prediction(self.target.tokenize(prediction, add_special=False) if prediction else None)
-        return self._generate(tokens, controller, params, max_tokens, stop)
+        return self._generate(tokens, controller, params, max_tokens, stop, constraint)
 
     def generate(self, prompt: Prompt, **kwargs) -> Generation:
         """Like stream(), but return the whole answer (with tools: its text and tool calls apart)."""
@@ -330,7 +349,7 @@ class Engine:
         draft_model = getattr(self.drafter, "model", None)
         verify_cost = self.cost_curve(self.target) if adaptive else None
         draft_cost = self.cost_curve(draft_model, calibration.DRAFT_SIZES) if adaptive and draft_model else None
-        return Controller(mode, gamma, verify_cost, draft_cost, self.drafter, self.copy)
+        return Controller(mode, gamma, verify_cost, draft_cost, self.drafter, self.copy, self.forced)
 
     def forget(self) -> None:
         """Empty the KV caches and the saved prompts: the next prompt is evaluated from
@@ -356,7 +375,7 @@ class Engine:
         self.close()
 
     # --- generation -------------------------------------------------------
-    def _generate(self, prompt, controller: Controller, params, max_tokens, stop) -> Iterator[Event]:
+    def _generate(self, prompt, controller: Controller, params, max_tokens, stop, grammar) -> Iterator[Event]:
         target = self.target
         stats = Stats(
             mode="target-only" if controller.mode == "off" else "speculative",
@@ -386,7 +405,8 @@ class Engine:
         seq = list(prompt)
         try:
             limit = len(prompt) + max_tokens if max_tokens else target.n_ctx + 1
-            for new_tokens in speculative_decode(target, controller, seq, params, seed, rng, stats, limit):
+            rounds = speculative_decode(target, controller, seq, params, seed, rng, stats, limit, grammar)
+            for new_tokens in rounds:
                 for token, from_draft in new_tokens:
                     if target.is_eog(token):
                         stats.finish_reason = "stop"
@@ -427,26 +447,30 @@ def speculative_decode(
     rng: np.random.Generator,
     stats: Stats,
     limit: int,
+    grammar: Grammar | None = None,
 ) -> Iterator[list[tuple[int, bool]]]:
     """Rounds of draft -> verify -> accept. `seq` (prompt + output) grows in place;
     the target's KV cache holds seq[:-1]. Yields each round's new tokens as
-    (token, came from the draft); 1..γ+1 of them per round. Raises ContextFull."""
+    (token, came from the draft); 1..γ+1 of them per round. Under a grammar (in its
+    state after seq; advanced here) the target's law at every row is p_g. Raises ContextFull."""
     while True:
+        if grammar is not None and grammar.finished():  # only an end may follow: the target would pick one
+            yield [(target.eos, False)]
+            return
         t0 = perf_counter()
         # the controller picks a drafter and γ (or none); drafts past the context or the budget are wasted
         room = min(target.n_ctx - len(seq), limit - len(seq) - 1)
-        draft = controller.propose(seq, room, params, rng)
+        draft = controller.propose(seq, room, params, rng, grammar)
         t1 = perf_counter()
 
         # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i)
-        logits = target.eval([seq[-1]] + draft.tokens, all_logits=True)
+        rows = TargetRows(target.eval([seq[-1]] + draft.tokens, all_logits=True), params, grammar, draft.tokens)
         if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
-            n, next_token = verify_greedy(draft.tokens, logits.argmax(axis=1).tolist())
+            n, next_token = verify_greedy(draft.tokens, rows.argmax)
         else:  # accept x_i w.p. min(1, p_i(x)/q_i(x)); else resample norm(max(p_i - q_i, 0)); bonus from p_γ
-            p_rows = np.empty(logits.shape)
-            for i, row in enumerate(logits):
-                p_rows[i] = distribution(row, params)
-            n, next_token = verify(draft.tokens, draft.q, p_rows, position_uniforms(seed, len(seq), len(p_rows)))
+            uniforms = position_uniforms(seed, len(seq), len(draft.tokens) + 1)
+            n, next_token = verify(draft.tokens, draft.q, rows.p, uniforms)
+        rows.advance(n, next_token)
 
         # drop the rejected drafts from the target's cache (the drafter trims its own)
         target.truncate(len(seq) + n)
@@ -461,3 +485,37 @@ def speculative_decode(
         stats.verify_s += t2 - t1
         controller.report(stats, draft, n)
         yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]
+
+
+class TargetRows:
+    """The target's law at each row of a verify pass, made only when verification gets
+    there. Under a grammar, row i is p_g in the grammar's state after draft[:i]: the
+    grammar walks along the draft as far as it is accepted, never past a rejection, so
+    it has nothing to roll back."""
+
+    def __init__(self, logits: np.ndarray, params: SamplingParams, grammar: Grammar | None, draft: list[int]) -> None:
+        self.logits, self.params, self.grammar, self.draft = logits, params, grammar, draft
+        self.walked = 0  # draft tokens the grammar has taken
+
+    def p(self, i: int) -> np.ndarray:
+        if self.grammar is None:
+            return distribution(self.logits[i], self.params)
+        self._walk(i)
+        return constrained(self.logits[i], self.params, self.grammar.allows)
+
+    def argmax(self, i: int) -> int:
+        if self.grammar is None:
+            return int(np.argmax(self.logits[i]))
+        self._walk(i)
+        return constrained_argmax(self.logits[i], self.grammar.allows)
+
+    def advance(self, n_accepted: int, next_token: int) -> None:
+        """Take the round's tokens into the grammar: the accepted draft, then the next token."""
+        if self.grammar is not None:
+            self._walk(n_accepted)
+            self.grammar.accept(next_token)
+
+    def _walk(self, i: int) -> None:
+        while self.walked < i:
+            self.grammar.accept(self.draft[self.walked])
+            self.walked += 1

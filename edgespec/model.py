@@ -160,6 +160,11 @@ class Model:
         return llama_cpp.llama_vocab_get_text(self._vocab, token)
 
     @property
+    def vocab_handle(self):
+        """llama.cpp's vocabulary of this model (for its grammar engine, grammar.py)."""
+        return self._vocab
+
+    @property
     def vocab_type(self) -> int:
         return llama_cpp.llama_vocab_type(self._vocab)
 

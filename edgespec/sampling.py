@@ -7,6 +7,7 @@ is what makes accept/resample exact (Leviathan et al. 2023, Chen et al. 2023).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +72,61 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
+Allows = Callable[[np.ndarray], np.ndarray]  # token ids -> which of them a grammar lets come next
+FIRST_LOOK = 256  # a grammar is asked about this many of the likeliest tokens first
+
+
+def constrained(logits: np.ndarray, params: SamplingParams, allows: Allows) -> np.ndarray:
+    """The law under a grammar: p_g ∝ p·1[allowed], p the final distribution (so top-k,
+    top-p, min-p and temperature act as without a grammar, then what the grammar forbids
+    is removed). Where the grammar forbids all of p's support, p_g is the distribution of
+    the allowed tokens' logits alone. Only p's support is checked against the grammar,
+    which is cheap (a full vocabulary takes llama.cpp 10-200 ms), unless that fallback is needed."""
+    p = distribution(logits, params)
+    support = np.flatnonzero(p)
+    kept = support[allows(support)]
+    if len(kept):
+        p_g = np.zeros_like(p)
+        p_g[kept] = p[kept]
+        return p_g / p_g.sum()
+    ids = allowed_top(logits, allows, 1 if params.greedy else params.top_k)
+    masked = np.full(len(logits), -np.inf)
+    masked[ids] = logits[ids]
+    return distribution(masked, params)
+
+
+def constrained_argmax(logits: np.ndarray, allows: Allows) -> int:
+    """The argmax of p_g: the likeliest token the grammar allows (greedy decoding)."""
+    best = int(np.argmax(logits))
+    return best if allows(np.array([best]))[0] else int(allowed_top(logits, allows, 1)[0])
+
+
+def allowed_top(logits: np.ndarray, allows: Allows, k: int) -> np.ndarray:
+    """The k highest-logit token ids the grammar allows (all of them for k=0), asked
+    about in descending order of logit, FIRST_LOOK first and then in growing chunks."""
+    n = len(logits)
+    first = np.argpartition(-logits, FIRST_LOOK - 1)[:FIRST_LOOK] if n > FIRST_LOOK else np.arange(n)
+    order = first[np.argsort(-logits[first], kind="stable")]
+    found = [order[allows(order)]]
+    if k == 0 or sum(map(len, found)) < k:
+        rest = np.setdiff1d(np.arange(n), first, assume_unique=True)
+        rest = rest[np.argsort(-logits[rest], kind="stable")]
+        start, chunk = 0, 4 * FIRST_LOOK
+        while start < len(rest) and (k == 0 or sum(map(len, found)) < k):
+            ids = rest[start : start + chunk]
+            found.append(ids[allows(ids)])
+            start, chunk = start + chunk, 4 * chunk
+    allowed = np.concatenate(found)
+    if not len(allowed):
+        raise GrammarDeadEnd
+    return allowed if k == 0 else allowed[:k]
+
+
+class GrammarDeadEnd(EdgespecError):
+    def __init__(self) -> None:
+        super().__init__("the grammar allows no token after the answer so far; fix the grammar (it cannot be completed)")
+
+
 def sample(p: np.ndarray, u: float) -> int:
     """The token id that the uniform draw u in [0, 1) picks from the distribution p
     (inverse CDF; p need not be normalised)."""
@@ -104,17 +160,18 @@ def residual_distribution(p: np.ndarray, q: np.ndarray | None, x: int) -> np.nda
 
 
 def verify(
-    draft: list[int],
+    draft: Sequence[int],
     q_rows: np.ndarray | None,
-    p_rows: np.ndarray,
+    p_row: Callable[[int], np.ndarray],
     uniforms: np.ndarray,
 ) -> tuple[int, int]:
     """Accept a draft left to right; return (number accepted, next token).
 
     draft: γ proposed token ids. q_rows: (γ, V) draft distributions, or None for a
-    deterministic draft (point masses). p_rows: (γ+1, V) target distributions,
-    row i conditioned on the context plus draft[:i]. uniforms: (γ+1, 2) draws for
-    those positions (see position_uniforms).
+    deterministic draft (point masses). p_row(i): the target's distribution (V,) at
+    row i, conditioned on the context plus draft[:i]; asked for i = 0, 1, ... in order,
+    only as far as verification goes. uniforms: (γ+1, 2) draws for those positions
+    (see position_uniforms).
 
     Token x_i is accepted with probability min(1, p_i(x)/q_i(x)). At the first
     rejection the next token comes from norm(max(p_i - q_i, 0)) and the rest of
@@ -126,19 +183,21 @@ def verify(
     """
     for i, x in enumerate(draft):
         u_accept, u_draw = uniforms[i]
+        p = p_row(i)
         if q_rows is None:
-            if (token := sample(p_rows[i], u_draw)) != x:
+            if (token := sample(p, u_draw)) != x:
                 return i, token
-        elif u_accept >= acceptance_probability(p_rows[i], q_rows[i], x):
-            return i, sample(residual_distribution(p_rows[i], q_rows[i], x), u_draw)
-    return len(draft), sample(p_rows[len(draft)], uniforms[len(draft)][1])
+        elif u_accept >= acceptance_probability(p, q_rows[i], x):
+            return i, sample(residual_distribution(p, q_rows[i], x), u_draw)
+    return len(draft), sample(p_row(len(draft)), uniforms[len(draft)][1])
 
 
-def verify_greedy(draft: list[int], target_argmax: list[int]) -> tuple[int, int]:
+def verify_greedy(draft: Sequence[int], target_argmax: Callable[[int], int]) -> tuple[int, int]:
     """Greedy verification: accept while the draft equals the target's argmax.
-    target_argmax has γ+1 entries; the token after the accepted prefix is the
-    target's own choice there (the correction, or the bonus token)."""
-    n = 0
-    while n < len(draft) and draft[n] == target_argmax[n]:
-        n += 1
-    return n, target_argmax[n]
+    target_argmax(i) is the target's choice at row i (asked in order, as far as
+    verification goes); the token after the accepted prefix is the target's own
+    choice there (the correction, or the bonus token)."""
+    for n, x in enumerate(draft):
+        if (choice := target_argmax(n)) != x:
+            return n, choice
+    return len(draft), target_argmax(len(draft))

@@ -22,7 +22,7 @@ class StubModelDrafter:
     def prefill(self, context):
         pass
 
-    def draft(self, context, n, params, rng, stop_below=()):
+    def draft(self, context, n, params, rng, stop_below=(), grammar=None):
         self.calls.append((n, tuple(stop_below)))
         return Draft([42] * n, None, source="model")
 

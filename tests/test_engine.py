@@ -27,7 +27,7 @@ class RandomDrafter:
     def prefill(self, context):
         pass
 
-    def draft(self, context, n, params, rng, stop_below=()):
+    def draft(self, context, n, params, rng, stop_below=(), grammar=None):
         return Draft(self.rng.integers(0, self.n_vocab, n).tolist())
 
 

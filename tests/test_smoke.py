@@ -156,7 +156,7 @@ class RepeatLastDrafter:
     def prefill(self, context):
         self.prefilled = len(context)
 
-    def draft(self, context, n, params, rng, stop_below=()):
+    def draft(self, context, n, params, rng, stop_below=(), grammar=None):
         return Draft([context[-1]] * n, None, source="model")
 
 

@@ -1,12 +1,15 @@
-"""Renders chat templates for edgespec in a process of its own (see chat.py).
+"""Works on untrusted input for edgespec in a process of its own (see sandbox.py):
+renders chat templates ("render") and turns JSON schemas into grammars ("json_schema").
 
-Run as a script, not imported: it needs only the standard library and jinja2, so it
+Run as a script, not imported: it needs only the standard library, jinja2 and the
+schema converter's one pure-Python file (loaded by path, not with llama_cpp), so it
 starts fast and never loads a model. Requests and answers are JSON lines on
-stdin/stdout. Its address space is capped at start, so a template that builds a
-huge string or list fails here with MemoryError instead of taking memory from the
-program; one that loops forever is killed by the parent after its time limit.
+stdin/stdout. Its address space is capped at start, so input that builds a huge
+string or list fails here with MemoryError instead of taking memory from the program;
+input that loops forever is killed by the parent after its time limit.
 """
 
+import importlib.util
 import json
 import sys
 from datetime import datetime
@@ -28,6 +31,22 @@ def _compile(source):
     return env.from_string(source)
 
 
+@lru_cache(maxsize=1)
+def _converter(path):
+    spec = importlib.util.spec_from_file_location("schema_converter", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def json_schema(request):
+    """The GBNF grammar of a JSON schema, by llama-cpp-python's converter (no remote $refs)."""
+    gbnf = _converter(request["converter"]).json_schema_to_gbnf(json.dumps(request["schema"]))
+    if len(gbnf) > request["max_chars"]:
+        return {"too_long": len(gbnf)}
+    return {"gbnf": gbnf}
+
+
 def render(request):
     text = _compile(request["template"]).render(
         messages=request["messages"],
@@ -41,6 +60,9 @@ def render(request):
     return {"text": text}
 
 
+KINDS = {"render": render, "json_schema": json_schema}
+
+
 def main():
     memory = int(sys.argv[1])
     try:
@@ -52,9 +74,10 @@ def main():
     sys.setrecursionlimit(2000)
     for line in sys.stdin:
         try:
-            answer = render(json.loads(line))
+            request = json.loads(line)
+            answer = KINDS[request["kind"]](request)
         except MemoryError:
-            answer = {"error": "it needed more memory than a template may use", "kind": "memory"}
+            answer = {"error": "it needed more memory than it may use", "kind": "memory"}
         except RecursionError:
             answer = {"error": "it recursed too deeply", "kind": "recursion"}
         except Exception as e:  # the sandbox's SecurityError, TemplateError, OverflowError, TypeError, ...
