@@ -40,8 +40,13 @@ def _converter(path):
 
 
 def json_schema(request):
-    """The GBNF grammar of a JSON schema, by llama-cpp-python's converter (no remote $refs)."""
-    gbnf = _converter(request["converter"]).json_schema_to_gbnf(json.dumps(request["schema"]))
+    """The GBNF grammar of a JSON schema, by llama-cpp-python's converter (no remote $refs),
+    its top rule named request["name"] ("" for root)."""
+    converter = _converter(request["converter"]).SchemaConverter(
+        prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
+    )
+    converter.visit(converter.resolve_refs(request["schema"], "stdin"), request["name"])
+    gbnf = converter.format_grammar()
     if len(gbnf) > request["max_chars"]:
         return {"too_long": len(gbnf)}
     return {"gbnf": gbnf}

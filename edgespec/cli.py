@@ -83,11 +83,15 @@ def _load(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     _check(args)
     sampling = asdict(SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed))
-    prediction = _read_prediction(args.prediction)
+    prediction = _read_text(args.prediction, "prediction")
+    grammar = _read_text(args.grammar, "grammar")
+    json_schema = _read_text(args.json_schema, "JSON schema")
     with _load(args) as engine:
         events = engine.stream(
             args.prompt,
             prediction=prediction,
+            grammar=grammar,
+            json_schema=json_schema,
             max_tokens=args.max_tokens,
             speculative=not args.no_draft,
             stop=args.stop,
@@ -121,6 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "finish_reason",
             "draft_mode",
             "rounds_by_source",
+            "accepted_by_source",
             "alpha_by_source",
             "predicted_speedup",
             "measured_speedup",
@@ -142,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_prediction(name: str | None) -> str | None:
+def _read_text(name: str | None, what: str) -> str | None:
     if name is None:
         return None
     if name == "-":
@@ -150,9 +155,8 @@ def _read_prediction(name: str | None) -> str | None:
     try:
         return Path(name).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise EdgespecError(
-            f"cannot read the prediction file {name} ({e.__class__.__name__}); give a UTF-8 text file or -"
-        ) from None
+        why = e.__class__.__name__
+        raise EdgespecError(f"cannot read the {what} file {name} ({why}); give a UTF-8 text file or -") from None
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -295,6 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="text the answer will largely repeat, e.g. the file being edited (- for stdin): drafts are"
         " copied from it; the answer is the same with or without it",
+    )
+    constraint = g.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="answer with JSON that matches this JSON schema (- for stdin); keys and punctuation are drafted free",
+    )
+    constraint.add_argument(
+        "--grammar", metavar="FILE", help="answer in the language of this GBNF grammar (- for stdin)"
     )
     g.set_defaults(func=cmd_generate)
 

@@ -32,6 +32,7 @@ from .drafters import SOURCE_NAMES as COPY_SOURCES
 from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter
 from .errors import EdgespecError
 from .grammar import Grammar
+from .prompt_cache import common_prefix
 from .sampling import SamplingParams
 
 MODES = ("auto", "model", "copy", "hybrid", "off")
@@ -65,6 +66,24 @@ MAX_MODEL_GAMMA = 12
 MAX_COPY_DRAFT = 64
 SLOW_START = 2  # longest draft before any evidence; +4 per recently accepted token
 HYBRID_MIN_MATCH = 5  # hybrid mode: a copy backed by this many agreeing tokens is confident enough to use
+
+
+FREE_SOURCES = (*COPY_SOURCES, "grammar")
+
+
+@dataclass
+class ForcedText:
+    """A grammar's forced draft, to be compared with what the target then wrote."""
+
+    tokens: list[int]
+    at: int  # the context's length when it was made
+
+    def outcome(self, context: list[int]) -> tuple[int, int]:
+        """(tokens the target wrote as drafted, tokens that tells about): the first
+        disagreement is a rejection; a draft longer than what was written tells nothing past it."""
+        written = context[self.at : self.at + len(self.tokens)]
+        agreed = common_prefix(self.tokens, written, len(written))
+        return agreed, agreed + (agreed < len(written))
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -197,6 +216,7 @@ class Controller:
         self.live: dict[str, LiveCost] = {}  # per kind of round (Plan.source) and "all"
         self.last: Plan = Plan(0.0, "off", 0)
         self._predicted = [0.0, 0.0]  # expected tokens and target steps of the plans chosen so far
+        self._forced: ForcedText | None = None  # the grammar's forced draft of the last round, drafted or not
         self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
 
     def prefill(self, context: list[int]) -> None:
@@ -292,9 +312,13 @@ class Controller:
                     plan = Plan(1.0, lookup.source, gammas[0], key=key)
                 plan.draft = Draft(lookup.tokens[: plan.gamma], None, source=lookup.source)
                 candidates.append(plan)
+        if self._forced is not None:  # forced text is free to make: its α is learnt every round, drafted or not
+            self._acceptance("grammar").observe(*self._forced.outcome(context))
+            self._forced = None
         if grammar is not None and (forced := self.drafters.get("grammar")):
             text = forced.draft(context, min(room, fixed or MAX_COPY_DRAFT), grammar=grammar)
             if text.tokens:
+                self._forced = ForcedText(text.tokens, len(context))
                 gammas = [len(text.tokens)] if fixed else self._gammas(len(text.tokens), True)
                 if self.adaptive:
                     plan = self._best("grammar", "grammar", gammas, evidence=len(text.tokens))
@@ -341,7 +365,7 @@ class Controller:
             self._predicted[1] += seconds / self.cost("off", 0)
         for learnt in (*self.acceptance.values(), *self.live.values()):
             learnt.decay()
-        if draft.tokens and draft.source not in COPY_SOURCES:  # copies learn from every token (plan())
+        if draft.tokens and draft.source not in FREE_SOURCES:  # free drafts learn from every round (plan())
             self._acceptance(self.last.key).observe(n_accepted, len(draft.tokens))
         if self.V is not None:
             planned = self.planned_cost(draft.source, len(draft.tokens))

@@ -26,7 +26,7 @@ from .sampling import (
     verify_greedy,
 )
 from .text import TextStream
-from .tools import CLOSE, ToolCall, ToolCallParser, ToolChoice, prepare, tool_choice_of
+from .tools import CLOSE, ToolCall, ToolCallParser, ToolChoice, call_grammar, prepare, tool_choice_of
 
 Prompt = str | Sequence[Message]
 NO_TOOL_CHOICE = ToolChoice()
@@ -261,8 +261,9 @@ class Engine:
         and the final stats.
         tools: OpenAI's function tools, rendered through the model's chat template (see
         tools.py); tool_choice: OpenAI's (auto, none, required or a named function) or a
-        ToolChoice. "required" and a function start the answer with the call's opening,
-        which the events do not repeat: read them with ToolCallParser(choice.opening), or
+        ToolChoice. "required" and a function start the answer with the call's opening
+        and constrain the rest to the calls allowed (tools.call_grammar); the events do
+        not repeat the opening: read them with ToolCallParser(choice.opening), or
         use generate(), which returns the calls parsed. A named function, or
         parallel_tool_calls=False, ends the answer with the (first) call.
         grammar: GBNF text (root rule `root`) the answer must match; json_schema: a JSON
@@ -280,6 +281,10 @@ class Engine:
         if tools and choice.mode != "none" and (choice.one_call or not parallel_tool_calls):
             stop = [*stop, CLOSE]
         gbnf = grammar_text(grammar, json_schema)
+        if tools and choice.call_schema is not None:  # a call is forced: its grammar
+            if gbnf is not None:
+                raise EdgespecError("a forced tool call cannot also follow a grammar or schema; give one of them")
+            gbnf = call_grammar(choice, parallel_tool_calls)
         constraint = Grammar(self.target, gbnf) if gbnf is not None else None
         controller = self._controller(mode, gamma)
         self.copy.set_prediction(self.target.tokenize(prediction, add_special=False) if prediction else None)

@@ -39,6 +39,9 @@ MAX_SCHEMA_CHARS = 64 << 10
 MAX_NESTING = 64  # deepest ( ... ) nesting: llama.cpp's parser recurses once per level
 SCHEMA_SECONDS = 2.0  # a schema whose conversion takes longer is refused
 STEP_SECONDS = 1.0  # a grammar step (accepting a token, or checking candidates) slower than this stops the answer
+# a step slower than this means the grammar's state is growing: tokens are then taken in a
+# byte at a time, so that one long token cannot multiply the state many times over in one call
+CAREFUL_SECONDS = 0.01
 MAX_FORCED_CHARS = 64  # longest forced text drafted at once
 # every printable ASCII character, and the whitespace a grammar may force: a forced
 # continuation is found character by character by asking which of these may come next
@@ -75,7 +78,7 @@ def nesting(gbnf: str) -> int:
         if c == "#":
             while i < n and gbnf[i] != "\n":
                 i += 1
-        elif c in "\"[":
+        elif c in '"[':
             end = '"' if c == '"' else "]"
             i += 1
             while i < n and gbnf[i] != end:
@@ -89,8 +92,9 @@ def nesting(gbnf: str) -> int:
     return deepest
 
 
-def json_schema_gbnf(schema: dict | str) -> str:
-    """The GBNF grammar of a JSON schema (a dict or its JSON text), in json.dumps's style."""
+def json_schema_gbnf(schema: dict | str, name: str = "") -> str:
+    """The GBNF grammar of a JSON schema (a dict or its JSON text), in json.dumps's style;
+    its top rule is `name` (default: root)."""
     if isinstance(schema, str):
         if len(schema) > MAX_SCHEMA_CHARS:
             raise GrammarError(f"the JSON schema has {len(schema)} characters, more than {MAX_SCHEMA_CHARS}")
@@ -102,7 +106,7 @@ def json_schema_gbnf(schema: dict | str) -> str:
         raise GrammarError(f"a JSON schema is an object, not {type(schema).__name__}; {FIX_SCHEMA}")
     if len(text := json.dumps(schema)) > MAX_SCHEMA_CHARS:
         raise GrammarError(f"the JSON schema has {len(text)} characters, more than {MAX_SCHEMA_CHARS}")
-    request = dict(kind="json_schema", converter=CONVERTER, schema=schema, max_chars=MAX_GRAMMAR_CHARS)
+    request = dict(kind="json_schema", converter=CONVERTER, schema=schema, name=name, max_chars=MAX_GRAMMAR_CHARS)
     try:
         answer = sandbox.ask(request, SCHEMA_SECONDS)
     except SandboxTimeout:
@@ -146,6 +150,22 @@ def _stderr_captured():
             lines.extend(capture.read(4096).decode("utf-8", "replace").splitlines())
 
 
+_byte_tokens: dict[str, dict[int, int]] = {}
+
+
+def byte_tokens(model) -> dict[int, int]:
+    """byte -> a token that is that byte alone, for the bytes the vocabulary has one for."""
+    key = str(model.path)
+    if key not in _byte_tokens:
+        found: dict[int, int] = {}
+        for token in range(model.n_vocab):
+            piece = model.piece(token)
+            if len(piece) == 1 and not model.is_eog(token):
+                found.setdefault(piece[0], token)
+        _byte_tokens[key] = found
+    return _byte_tokens[key]
+
+
 class Grammar:
     """One grammar's state over a model's vocabulary: which tokens may come next,
     advanced token by token. clone() copies the state (to walk ahead along a draft)."""
@@ -161,6 +181,7 @@ class Grammar:
             why = why or "an undefined rule, left recursion or no root rule"
             raise GrammarError(f"the grammar does not parse ({why}); {FIX_GBNF}")
         self._sampler = sampler
+        self.careful = False  # see CAREFUL_SECONDS
         self.model = model
         self.eog = model.eos
         # single-character tokens, to find a forced continuation one character at a time
@@ -185,9 +206,8 @@ class Grammar:
         where the grammar may end)."""
         data = np.zeros(len(ids), dtype=TOKEN_DATA)
         data["id"] = ids
-        array = llama_cpp.llama_token_data_array(
-            data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(data), selected=-1, sorted=False
-        )
+        pointer = data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data))
+        array = llama_cpp.llama_token_data_array(data=pointer, size=len(data), selected=-1, sorted=False)
         start = perf_counter()
         llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
         self._check_time(perf_counter() - start)
@@ -197,9 +217,16 @@ class Grammar:
         """Advance past `token`, which must be allowed (an end of generation is not taken in)."""
         if token == self.eog:
             return
-        start = perf_counter()
-        llama_cpp.llama_sampler_accept(self._sampler, token)
-        self._check_time(perf_counter() - start)
+        pieces = [token]
+        if self.careful:  # the same state as the whole token (llama.cpp reads it byte by byte too)
+            bytes_ = byte_tokens(self.model)
+            piece = self.model.piece(token)
+            if all(b in bytes_ for b in piece):
+                pieces = [bytes_[b] for b in piece]
+        for piece_token in pieces:
+            start = perf_counter()
+            llama_cpp.llama_sampler_accept(self._sampler, piece_token)
+            self._check_time(perf_counter() - start)
 
     def allowed_prefix(self, tokens: list[int]) -> list[int]:
         """The longest prefix of `tokens` that the grammar allows, one after another."""
@@ -232,6 +259,7 @@ class Grammar:
         return all(self.model.is_eog(int(token)) for token in allowed)
 
     def _check_time(self, seconds: float) -> None:
+        self.careful = self.careful or seconds > CAREFUL_SECONDS
         if seconds > STEP_SECONDS:
             raise GrammarError(
                 f"the grammar's state grew too large (one step took {seconds:.1f} s: an ambiguous grammar); simplify it"

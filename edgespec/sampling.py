@@ -124,7 +124,7 @@ def allowed_top(logits: np.ndarray, allows: Allows, k: int) -> np.ndarray:
 
 class GrammarDeadEnd(EdgespecError):
     def __init__(self) -> None:
-        super().__init__("the grammar allows no token after the answer so far; fix the grammar (it cannot be completed)")
+        super().__init__("the grammar allows no token after the answer so far: it cannot be completed; fix it")
 
 
 def sample(p: np.ndarray, u: float) -> int:

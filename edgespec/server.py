@@ -146,12 +146,40 @@ def _options(body: dict) -> dict:
             raise ApiError(400, str(e), "tools") from None
         options["tools"] = body["tools"]
         options["parallel_tool_calls"] = _get(body, "parallel_tool_calls", (bool,), True)
+    options.update(_constraint(body))
     prediction = body.get("prediction")
     if prediction is not None:
         if not isinstance(prediction, dict) or prediction.get("type") != "content":
             raise ApiError(400, '\'prediction\' must be {"type": "content", "content": ...}', "prediction")
         options["prediction"] = _text(prediction.get("content"), "prediction.content")
     return options
+
+
+def _constraint(body: dict) -> dict:
+    """What the answer must match: OpenAI's response_format, or llama-server's `grammar`
+    (GBNF text) and `json_schema` (a schema) fields; Engine.stream checks and compiles it."""
+    given = {}
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            given["json_schema"] = {"type": "object"}
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ApiError(400, "'response_format.json_schema.schema' must be an object", "response_format")
+            given["json_schema"] = spec["schema"]
+        elif kind != "text":
+            raise ApiError(400, "'response_format.type' must be text, json_object or json_schema", "response_format")
+    if body.get("json_schema") is not None:
+        if not isinstance(body["json_schema"], dict):
+            raise ApiError(400, "'json_schema' must be an object (a JSON schema)", "json_schema")
+        given["json_schema"] = body["json_schema"]
+    if (grammar := _get(body, "grammar", (str,))) is not None:
+        given["grammar"] = grammar
+    if len(given) > 1 or (response_format and response_format.get("type") != "text" and "json_schema" in body):
+        raise ApiError(400, "give one of response_format, json_schema and grammar", "response_format")
+    return given
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -262,6 +290,8 @@ class Worker:
                 job.send(event)
                 if job.cancelled.is_set():  # the client left: free the engine at this round
                     break
+        except EdgespecError as e:  # the request's grammar stopped working (see grammar.py)
+            job.send(ApiError(400, str(e)))
         except Exception as e:  # a llama.cpp failure: answer 500, keep serving
             log.error("generation failed: %s: %s", type(e).__name__, e)
             job.send(ApiError(500, f"generation failed ({type(e).__name__})"))

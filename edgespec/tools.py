@@ -9,8 +9,10 @@ A template that knows this format (it writes `<tool_call>` itself, as Qwen2.5's 
 gets them as text of ours in the same format: the tools in a system message, calls in
 the assistant's turn, results in a user turn (llama.cpp's chat.cpp falls back to a
 generic format the same way). A call is forced (tool_choice "required", or a named
-function) by opening the answer with the call, which the model then completes; the
-parser is told that opening, so it reads the answer as the model's whole turn.
+function) by opening the answer with `<tool_call>` and constraining the rest with a
+grammar of the calls allowed (call_grammar): a call's name and the arguments' keys and
+punctuation are then drafted for free, and its arguments match the function's schema.
+The parser is told the opening, so it reads the answer as the model's whole turn.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from .errors import EdgespecError
+from .grammar import json_schema_gbnf
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FALLBACK_SYSTEM = (
@@ -44,22 +47,33 @@ class ToolCall:
 class ToolChoice:
     mode: str = "auto"  # auto: the model decides; none: no calls; required: at least one; function: that one
     name: str | None = None  # the function, for mode "function"
-    takes_arguments: bool = True  # whether that function's schema has properties
+    # the JSON schema of the calls allowed, {"name": ..., "arguments": ...} (required and function)
+    call_schema: dict | None = field(default=None, compare=False)
 
     @property
     def opening(self) -> str:
-        """The text the answer is forced to begin with: for a function, up to its first
-        argument's name (small models otherwise tend to write out the schema), or the
-        whole call if it takes none."""
-        if self.mode == "function":
-            call = f'{OPEN}\n{{"name": {json.dumps(self.name)}, "arguments": '
-            return call + ('{"' if self.takes_arguments else f"{{}}}}\n{CLOSE}")
-        return f'{OPEN}\n{{"name": "' if self.mode == "required" else ""
+        """The text the answer is forced to begin with (the rest follows call_grammar)."""
+        return f"{OPEN}\n" if self.mode in ("required", "function") else ""
 
     @property
     def one_call(self) -> bool:
         """A named function is called once: the answer ends with its call."""
         return self.mode == "function"
+
+
+def call_grammar(choice: ToolChoice, parallel: bool) -> str:
+    """GBNF of a forced answer after its opening: a call, closed, and (for "required"
+    with parallel calls) maybe more calls."""
+    rules = json_schema_gbnf(choice.call_schema, name="tool-call")
+    more = f' ("\\n{OPEN}\\n" tool-call "\\n{CLOSE}")*' if parallel and not choice.one_call else ""
+    return f'root ::= tool-call "\\n{CLOSE}"{more}\n{rules}'
+
+
+def _call_schema(function: dict) -> dict:
+    parameters = function.get("parameters")
+    arguments = parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    properties = {"name": {"const": function["name"]}, "arguments": arguments}
+    return {"type": "object", "properties": properties, "required": ["name", "arguments"]}
 
 
 def check(tools, tool_choice) -> ToolChoice:
@@ -74,7 +88,9 @@ def check(tools, tool_choice) -> ToolChoice:
         mode = tool_choice or "auto"
         if mode == "required" and not tools:
             raise EdgespecError("tool_choice 'required' needs at least one tool")
-        if mode != "required" or len(tools) > 1:
+        if mode == "required" and len(tools) > 1:
+            return ToolChoice(mode, call_schema={"anyOf": [_call_schema(f) for f in functions.values()]})
+        if mode != "required":
             return ToolChoice(mode)
         name = names[0]  # required, of one tool: that one
     else:
@@ -85,8 +101,7 @@ def check(tools, tool_choice) -> ToolChoice:
         )
     if name not in names:
         raise EdgespecError(f"tool_choice names '{name}', which is not among the tools ({', '.join(names)})")
-    parameters = functions[name].get("parameters")
-    return ToolChoice("function", name, isinstance(parameters, dict) and bool(parameters.get("properties")))
+    return ToolChoice("function", name, _call_schema(functions[name]))
 
 
 def tool_choice_of(tools, tool_choice) -> ToolChoice:

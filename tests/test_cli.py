@@ -172,3 +172,23 @@ def test_generate_with_a_prediction_file_and_stdin(capsys, monkeypatch, tmp_path
 def test_unreadable_prediction_file(capsys, tmp_path):
     missing = tmp_path / "nope.txt"
     assert_one_line_error(*run(capsys, "generate", "hi", *SMALL, "--prediction", str(missing))[::2], "prediction file")
+
+
+def test_generate_with_a_json_schema_or_a_grammar_file(capsys, monkeypatch, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]})
+    )
+    argv = ["generate", "What is 2+2? Answer in JSON.", *SMALL, "--temperature", "0", "--max-tokens", "24"]
+    code, out, _ = run(capsys, *argv, "--json", "--json-schema", str(schema))
+    result = json.loads(out)
+    assert code == 0 and isinstance(json.loads(result["text"])["answer"], int)
+    assert result["stats"]["accepted_by_source"].get("grammar", 0) >= 0
+    monkeypatch.setattr("sys.stdin", io.StringIO('root ::= "yes" | "no"'))
+    code, out, _ = run(capsys, *argv, "--grammar", "-")
+    assert code == 0 and out.strip() in ("yes", "no")
+    schema.write_text("{broken")
+    assert_one_line_error(*run(capsys, *argv, "--json-schema", str(schema))[::2], "not JSON")
+    with pytest.raises(SystemExit) as e:  # argparse refuses the pair
+        main([*argv, "--json-schema", str(schema), "--grammar", "-"])
+    assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err

@@ -263,3 +263,50 @@ def test_serve_help_and_server_log_is_clean(server):
     assert "Traceback" not in "".join(server.lines)
     done = subprocess.run([sys.executable, "-m", "edgespec", "serve", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--api-key" in done.stdout and "127.0.0.1" in done.stdout
+
+
+RECALL = {
+    "type": "object",
+    "properties": {"company": {"type": "string", "maxLength": 40}, "units": {"type": "integer"}},
+    "required": ["company", "units"],
+}
+
+
+def test_structured_output_through_the_openai_client(server):
+    """response_format json_schema and json_object (OpenAI), and llama-server's json_schema
+    and grammar fields: each answer matches; a bad schema or grammar is a 400."""
+    import json
+
+    import jsonschema
+
+    client = server.client()
+    ask = [{"role": "user", "content": "Northwind recalled 48,000 kettles. As JSON, please."}]
+    formats = {
+        "json_schema": {"type": "json_schema", "json_schema": {"name": "recall", "schema": RECALL, "strict": True}},
+        "json_object": {"type": "json_object"},
+    }
+    for name, response_format in formats.items():
+        answer = client.chat.completions.create(
+            model="x", messages=ask, temperature=0, max_tokens=120, response_format=response_format
+        )
+        if answer.choices[0].finish_reason == "stop":
+            value = json.loads(answer.choices[0].message.content)
+            assert isinstance(value, dict)
+            if name == "json_schema":
+                jsonschema.validate(value, RECALL)
+    extra = client.chat.completions.create(
+        model="x", messages=ask, temperature=0, max_tokens=120, extra_body={"json_schema": RECALL}
+    )
+    jsonschema.validate(json.loads(extra.choices[0].message.content), RECALL)
+    yes_no = client.completions.create(
+        model="x", prompt="Is water wet? Answer:", max_tokens=5, extra_body={"grammar": 'root ::= " yes" | " no"'}
+    )
+    assert yes_no.choices[0].text in (" yes", " no")
+    for bad in ({"grammar": "root ::= ("}, {"json_schema": {"$ref": "https://example.com/x"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="x", messages=ask, max_tokens=5, extra_body=bad)
+        assert "\n" not in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model="x", messages=ask, max_tokens=5, response_format={"type": "json_schema", "json_schema": {}}
+        )
