@@ -3,7 +3,9 @@
 All modes run greedy on the same engine, alternating, so they share the
 machine's state (heat, caches, other load); speed is reported as a ratio to the
 target-alone ("none") runs of the same prompt: the median over repeats of the
-ratio within each repeat.
+ratio within each repeat. A class with a JSON schema runs every mode under it (so
+"none" is the constrained target alone) and also runs the target without it
+("no-grammar"), which prices the grammar itself.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .registry import tomllib
 PROMPTS_FILE = Path(__file__).with_name("bench_prompts.toml")
 MODES = ("none", "model", "copy", "hybrid", "auto")
 FIXED_GAMMA = 3  # the "model" mode's draft length unless --gamma says otherwise
+UNCONSTRAINED = "no-grammar"  # a schema class's target alone, without its schema
 
 
 def load_prompts() -> list[dict]:
@@ -81,21 +84,25 @@ def run_bench(
 
     rows = []
     for prompt in [p for p in load_prompts() if not prompts or p["name"] in prompts]:
-        runs: dict[str, list] = {m: [] for m in modes}
+        schema = prompt.get("json_schema")
+        class_modes = modes + [UNCONSTRAINED] if schema else modes
+        runs: dict[str, list] = {m: [] for m in class_modes}
         for r in range(repeats):
-            for mode in modes if r % 2 == 0 else modes[::-1]:  # alternate the order between repeats
+            for mode in class_modes if r % 2 == 0 else class_modes[::-1]:  # alternate the order between repeats
                 engine.forget()  # every run evaluates its prompt afresh: prefill is timed too
                 if mode == "llama":
                     runs[mode].append(llama.run(engine.prompt_tokens(prompt["text"]), max_tokens))
                     continue
+                alone = mode in ("none", UNCONSTRAINED)
                 stats = engine.generate(
                     prompt["text"],
                     temperature=0,
                     max_tokens=max_tokens,
-                    speculative=mode != "none",
-                    draft_mode=None if mode == "none" else mode,
+                    speculative=not alone,
+                    draft_mode=None if alone else mode,
                     gamma=fixed_gamma if mode == "model" else "auto",
                     prediction=prompt.get("prediction"),
+                    json_schema=schema if mode != UNCONSTRAINED else None,
                 ).stats
                 runs[mode].append(stats)
                 log(
@@ -130,7 +137,7 @@ def _ceiling(curve: calibration.CostCurve) -> dict:
 
 def _against_best_fixed(modes: dict) -> dict:
     """The best fixed mode of the class (none, i.e. off, counts) and auto's ratio to it."""
-    fixed = {m: row["speedup"] for m, row in modes.items() if m not in ("auto", "llama")}
+    fixed = {m: row["speedup"] for m, row in modes.items() if m not in ("auto", "llama", UNCONSTRAINED)}
     best = max(fixed, key=fixed.get)
     return {"best_fixed": best, "auto_vs_best_fixed": modes["auto"]["speedup"] / fixed[best]}
 
@@ -147,7 +154,7 @@ def _rows(name: str, runs: dict) -> dict:
         ratios = [rate([mine]) / rate([none]) for mine, none in zip(samples, runs["none"], strict=True)]
         row = {"tokens_per_s": rate(samples), "speedup": float(np.median(ratios))}
         row["prefill_tokens_per_s"] = sum(s.n_prompt for s in samples) / sum(s.prefill_s for s in samples)
-        if mode not in ("none", "llama"):
+        if mode not in ("none", "llama", UNCONSTRAINED):
             drafted, accepted, rounds = (sum(getattr(s, k) for s in samples) for k in ("drafted", "accepted", "rounds"))
             drafting = sum(s.rounds - s.rounds_by_source.get("off", 0) for s in samples)
             alpha = accepted / drafted if drafted else 0.0
@@ -161,6 +168,11 @@ def _rows(name: str, runs: dict) -> dict:
                 "drafting_rounds": drafting / rounds,
                 "expected_tokens_per_drafting_round": expected_tokens(alpha, round(mean_gamma)) if drafting else 1.0,
                 "rounds_by_source": _sum_dicts(s.rounds_by_source for s in samples),
+                # per answer: tokens that came from each drafter's accepted drafts, and from the target
+                "tokens_by_source": {
+                    source: n / len(samples) for source, n in _sum_dicts(s.accepted_by_source for s in samples).items()
+                }
+                | {"target": (sum(s.n_tokens for s in samples) - accepted) / len(samples)},
             }
         out["modes"][mode] = row
     return out
@@ -260,6 +272,8 @@ def print_report(report: dict) -> None:
                     f"{m['acceptance_rate']:>7.2f}{m['tokens_per_round']:>10.2f}{m['mean_gamma']:>8.1f}"
                     f"{m['expected_tokens_per_drafting_round']:>7.2f}  {m['rounds_by_source']}"
                 )
+                by_source = ", ".join(f"{k} {v:.0f}" for k, v in m["tokens_by_source"].items())
+                line += f"; tokens/answer: {by_source}"
                 if m["accepted_prediction_tokens"] or m["rejected_prediction_tokens"]:
                     line += f" prediction +{m['accepted_prediction_tokens']}/-{m['rejected_prediction_tokens']}"
             print(line)

@@ -108,6 +108,7 @@ def test_bench_small(capsys, sources, source):
     assert code == 0, err
     rows = [line.split()[:2] for line in out.splitlines()]
     assert ["code-edit-pred", "llama"] in rows and ["code-edit-pred", "ceiling"] in rows
+    assert ["json", "no-grammar"] in rows and "tokens/answer:" in out  # the schema class, and its price
     assert "V(k) in target steps" in out and "the best fixed mode" in out
 
 
