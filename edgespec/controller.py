@@ -279,6 +279,17 @@ class Controller:
         rate = expected_tokens(acceptance.sample(self._rng), gamma) / self.cost(source, gamma)
         return Plan(rate, source, gamma, key=key, expected_rate=expected)
 
+    def _free_plan(self, draft: Draft, key: str, evidence: int, cut_short: bool) -> Plan:
+        """The plan for a free draft (a copy, forced text): as much of it as is worth verifying."""
+        n = len(draft.tokens)
+        gammas = [n] if self.gamma else self._gammas(n, cut_short)
+        if self.adaptive:
+            plan = self._best(draft.source, key, gammas, evidence)
+        else:
+            plan = Plan(1.0, draft.source, gammas[0], key=key)
+        plan.draft = Draft(draft.tokens[: plan.gamma], None, source=draft.source)
+        return plan
+
     def plan(self, context: list[int], room: int, grammar: Grammar | None = None) -> Plan:
         """The round's plan; a copy or forced plan carries its draft already. Under a
         grammar, a copy is cut where the grammar forbids it (the rest would be rejected)."""
@@ -300,18 +311,8 @@ class Controller:
                 self._acceptance(copy_key(source, evidence)).observe(matched, 1)
             confident_copy = bool(lookup.tokens) and (self.mode != "hybrid" or copy.evidence >= HYBRID_MIN_MATCH)
             if confident_copy:
-                gammas = (
-                    [len(lookup.tokens)]
-                    if fixed
-                    else self._gammas(len(lookup.tokens), len(lookup.tokens) < MAX_COPY_DRAFT)
-                )
                 key = copy_key(lookup.source, copy.evidence)
-                if self.adaptive:
-                    plan = self._best(lookup.source, key, gammas, copy.evidence)
-                else:
-                    plan = Plan(1.0, lookup.source, gammas[0], key=key)
-                plan.draft = Draft(lookup.tokens[: plan.gamma], None, source=lookup.source)
-                candidates.append(plan)
+                candidates.append(self._free_plan(lookup, key, copy.evidence, len(lookup.tokens) < MAX_COPY_DRAFT))
         if self._forced is not None:  # forced text is free to make: its α is learnt every round, drafted or not
             self._acceptance("grammar").observe(*self._forced.outcome(context))
             self._forced = None
@@ -319,13 +320,7 @@ class Controller:
             text = forced.draft(context, min(room, fixed or MAX_COPY_DRAFT), grammar=grammar)
             if text.tokens:
                 self._forced = ForcedText(text.tokens, len(context))
-                gammas = [len(text.tokens)] if fixed else self._gammas(len(text.tokens), True)
-                if self.adaptive:
-                    plan = self._best("grammar", "grammar", gammas, evidence=len(text.tokens))
-                else:
-                    plan = Plan(1.0, "grammar", gammas[0], key="grammar")
-                plan.draft = Draft(text.tokens[: plan.gamma], None, source="grammar")
-                candidates.append(plan)
+                candidates.append(self._free_plan(text, "grammar", len(text.tokens), True))
         # hybrid: the model only where the lookup has no confident match
         if "model" in self.drafters and not (self.mode == "hybrid" and confident_copy):
             gammas = [min(fixed, room)] if fixed else self._gammas(min(MAX_MODEL_GAMMA, room), room < MAX_MODEL_GAMMA)

@@ -50,6 +50,8 @@ TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32
 # json.dumps's separators in place of the converter's optional spaces (see _compact)
 SEPARATORS = ((re.compile(r'"," space\b'), '", "'), (re.compile(r'":" space\b'), '": "'))
 SPACE_RULE = re.compile(r"^space ::= .*$", re.MULTILINE)
+# the converter's string characters include control characters, which JSON strings may not hold raw
+CHAR_RULE = ('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')  # (the converter's, JSON's)
 FIX_GBNF = "fix it (GBNF as llama.cpp's grammars/README.md describes)"
 FIX_SCHEMA = "fix the schema (JSON Schema as llama.cpp's json_schema_to_grammar supports)"
 CONVERTER = importlib.util.find_spec("llama_cpp.llama_grammar").origin
@@ -128,9 +130,11 @@ def grammar_text(grammar: str | None, json_schema: dict | str | None) -> str | N
 
 
 def _compact(gbnf: str) -> str:
-    """The converter's grammar with ", " and ": " as separators and no other whitespace."""
+    """The converter's grammar with ", " and ": " as separators, no other whitespace, and
+    no raw control characters in strings."""
     for pattern, separator in SEPARATORS:
         gbnf = pattern.sub(separator, gbnf)
+    gbnf = gbnf.replace(*CHAR_RULE)
     return SPACE_RULE.sub('space ::= ""', gbnf)
 
 

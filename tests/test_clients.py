@@ -154,7 +154,7 @@ def test_parser_keeps_bad_json_as_text():
     shown, calls = parser.feed('Sure. <tool_call>\n{"name": "f", "arguments": {oops}}\n</tool_call> done')
     assert calls == [] and "oops" in shown and shown.startswith("Sure. ")
     forced = ToolCallParser(ToolChoice("function", "f").opening)
-    text, calls = forced.feed('x": 1}}\n</tool_call>')
+    text, calls = forced.feed('{"name": "f", "arguments": {"x": 1}}\n</tool_call>')
     assert text == "" and calls[0].name == "f" and json.loads(calls[0].arguments) == {"x": 1}
     split = ToolCallParser()
     first, _ = split.feed("hello <tool_")
