@@ -12,9 +12,9 @@ from pathlib import Path
 from .controller import MODES, check_mode
 from .errors import EdgespecError
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB
-from .sampling import SamplingParams
+from .sampling import DEFAULT, SamplingParams
 
-DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)  # llama.cpp's
+TEMPERATURE_HELP = f"0 = greedy (default {DEFAULT.temperature:g})"
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
@@ -281,10 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="one user message (sent through the model's chat template unless --raw)")
     _model_options(g)
     g.add_argument("--no-draft", action="store_true", help="run the target alone (the baseline)")
-    g.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], help="0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="0 = off (default 40)")
-    g.add_argument("--top-p", type=float, default=DEFAULTS["top_p"], help="1 = off (default 0.95)")
-    g.add_argument("--min-p", type=float, default=DEFAULTS["min_p"], help="0 = off (default 0.05)")
+    g.add_argument(
+        "--temperature", type=float, default=DEFAULT.temperature, help=f"0 = greedy (default {DEFAULT.temperature:g})"
+    )
+    g.add_argument("--top-k", type=int, default=DEFAULT.top_k, help=f"0 = off (default {DEFAULT.top_k})")
+    g.add_argument("--top-p", type=float, default=DEFAULT.top_p, help=f"1 = off (default {DEFAULT.top_p:g})")
+    g.add_argument("--min-p", type=float, default=DEFAULT.min_p, help=f"0 = off (default {DEFAULT.min_p:g})")
     g.add_argument("--seed", type=int, help="random seed for reproducible sampling")
     g.add_argument(
         "--max-tokens",
@@ -321,7 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="full-screen chat that shows speculation live")
     _model_options(c)
-    c.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], help="0 = greedy (default 0.8)")
+    c.add_argument(
+        "--temperature", type=float, default=DEFAULT.temperature, help=f"0 = greedy (default {DEFAULT.temperature:g})"
+    )
     c.add_argument(
         "--max-tokens",
         type=int,

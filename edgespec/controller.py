@@ -98,21 +98,43 @@ def check_mode(mode: str, *, has_model: bool) -> None:
         raise EdgespecError(f"draft mode '{mode}' needs a draft model; give a pair or --draft, or use copy")
 
 
-def copy_key(source: str, evidence: int) -> str:
+@dataclass(frozen=True)
+class CopyKey:
     """Copies are tracked by how many tokens back their alignment (1-3, 4-15, 16-31, 32+):
     a fresh short anchor fails far more often than a copy that has held for 30 tokens."""
-    return f"{source}{next(bucket for bucket, below in COPY_BUCKETS if evidence < below)}"
+
+    source: str  # "copy" or "prediction"
+    bucket: int  # the COPY_BUCKETS key its evidence falls in
+
+    @classmethod
+    def of(cls, source: str, evidence: int) -> CopyKey:
+        return cls(source, next(bucket for bucket, below in COPY_BUCKETS if evidence < below))
+
+    def __str__(self) -> str:  # as Stats.alpha_by_source names it: "copy2", "prediction64", ...
+        return f"{self.source}{self.bucket}"
 
 
-def prior_alpha(key: str) -> float:
+AcceptanceKey = str | CopyKey  # whose acceptance rate: "model", "grammar", or a copy's CopyKey
+
+
+def prior_alpha(key: AcceptanceKey) -> float:
     """Before any evidence: a draft model is usually right; a copy is the surer the
     longer its alignment has held (0.57 for a fresh anchor, 0.84, 0.96, then ~1)."""
-    if key == "model":
-        return MODEL_PRIOR_ALPHA
-    if key == "grammar":
-        return GRAMMAR_PRIOR_ALPHA
-    evidence = int(key.lstrip("abcdefghijklmnopqrstuvwxyz"))
-    return min(COPY_MAX_PRIOR, 1 - 0.5 * 0.85 ** (evidence - 1))
+    if isinstance(key, CopyKey):
+        return min(COPY_MAX_PRIOR, 1 - 0.5 * 0.85 ** (key.bucket - 1))
+    return {"model": MODEL_PRIOR_ALPHA, "grammar": GRAMMAR_PRIOR_ALPHA}[key]
+
+
+@dataclass
+class Prediction:
+    """What the plans chosen so far promised: expected tokens, and their cost in target steps."""
+
+    tokens: float = 0.0
+    steps: float = 0.0
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens / self.steps if self.steps > 0 else 1.0
 
 
 @dataclass
@@ -177,7 +199,7 @@ class Plan:
     source: str  # "off", "model", "copy", "prediction" or "grammar"
     gamma: int
     draft: Draft | None = None  # a copy draft is made while planning (it is free)
-    key: str = ""  # whose acceptance rate: "model", or a copy_key()
+    key: AcceptanceKey = ""  # whose acceptance rate
     expected_rate: float | None = None  # under the posterior mean of α (default: rate)
 
     def __post_init__(self) -> None:
@@ -212,10 +234,10 @@ class Controller:
         self.drafters = {s: available[s] for s in MODE_SOURCES[mode] if available[s] is not None}
         if mode == "auto" and "model" in self.drafters and not self._model_can_pay(MODEL_GATE_ALPHA):
             del self.drafters["model"]  # it would lose here whatever it drafts: not run, not prefilled
-        self.acceptance: dict[str, Acceptance] = {}  # per "model" / copy_key()
+        self.acceptance: dict[AcceptanceKey, Acceptance] = {}
         self.live: dict[str, LiveCost] = {}  # per kind of round (Plan.source) and "all"
         self.last: Plan = Plan(0.0, "off", 0)
-        self._predicted = [0.0, 0.0]  # expected tokens and target steps of the plans chosen so far
+        self.predicted = Prediction()
         self._forced: ForcedText | None = None  # the grammar's forced draft of the last round, drafted or not
         self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
 
@@ -239,7 +261,8 @@ class Controller:
         step = self.draft_step(1) if self.draft_step else 0.0
         return gamma * step + self.V(gamma + 1)
 
-    def _acceptance(self, key: str) -> Acceptance:
+    def acceptance_of(self, key: AcceptanceKey) -> Acceptance:
+        """The acceptance rate learnt for `key` (from its prior, if nothing yet)."""
         if key not in self.acceptance:
             self.acceptance[key] = Acceptance(prior_alpha(key))
         return self.acceptance[key]
@@ -268,7 +291,7 @@ class Controller:
         """γ that the posterior mean of α says is best; the plan then competes with the
         others (and with no draft) at its rate under a posterior draw of α (Thompson
         sampling), so a drafter with little evidence gets tried now and then."""
-        acceptance = self._acceptance(key)
+        acceptance = self.acceptance_of(key)
         # slow start: a long draft on little evidence costs a lot when it fails at once, so γ
         # may only grow with the tokens this drafter has had accepted lately (or, for a copy,
         # with the tokens its alignment has held for)
@@ -308,13 +331,13 @@ class Controller:
             # every token the target wrote while a copy was aligned says whether the copy was
             # right: α per evidence level is learnt from all of them, drafted or not
             for source, evidence, matched in copy.take_outcomes():
-                self._acceptance(copy_key(source, evidence)).observe(matched, 1)
+                self.acceptance_of(CopyKey.of(source, evidence)).observe(matched, 1)
             confident_copy = bool(lookup.tokens) and (self.mode != "hybrid" or copy.evidence >= HYBRID_MIN_MATCH)
             if confident_copy:
-                key = copy_key(lookup.source, copy.evidence)
+                key = CopyKey.of(lookup.source, copy.evidence)
                 candidates.append(self._free_plan(lookup, key, copy.evidence, len(lookup.tokens) < MAX_COPY_DRAFT))
         if self._forced is not None:  # forced text is free to make: its α is learnt every round, drafted or not
-            self._acceptance("grammar").observe(*self._forced.outcome(context))
+            self.acceptance_of("grammar").observe(*self._forced.outcome(context))
             self._forced = None
         if grammar is not None and (forced := self.drafters.get("grammar")):
             text = forced.draft(context, min(room, fixed or MAX_COPY_DRAFT), grammar=grammar)
@@ -351,17 +374,19 @@ class Controller:
             stop_below = [plan.rate * (step + self.V(i + 2) - self.V(i + 1)) for i in range(plan.gamma)]
         return self.drafters[plan.source].draft(context, plan.gamma, params, rng, stop_below, grammar=grammar)
 
-    def observe(self, draft: Draft, n_accepted: int, draft_s: float, verify_s: float) -> None:
-        """Learn from a finished round: acceptance and the real costs."""
-        if self.V is not None and self.last.rate > 0:  # on the costs the plan was made with; in
+    def observe(self, draft: Draft, n_accepted: int, draft_s: float, verify_s: float, plan: Plan | None = None) -> None:
+        """Learn from a finished round, drafted by `plan` (default: the last one propose()
+        made): acceptance and the real costs."""
+        plan = plan or self.last
+        if self.V is not None and plan.rate > 0:  # on the costs the plan was made with; in
             # steps, so the machine's drift is no part of the prediction (a round without a draft: 1 for 1)
-            seconds = self.cost(self.last.source, self.last.gamma)
-            self._predicted[0] += self.last.expected_rate * seconds
-            self._predicted[1] += seconds / self.cost("off", 0)
+            seconds = self.cost(plan.source, plan.gamma)
+            self.predicted.tokens += plan.expected_rate * seconds
+            self.predicted.steps += seconds / self.cost("off", 0)
         for learnt in (*self.acceptance.values(), *self.live.values()):
             learnt.decay()
         if draft.tokens and draft.source not in FREE_SOURCES:  # free drafts learn from every round (plan())
-            self._acceptance(self.last.key).observe(n_accepted, len(draft.tokens))
+            self.acceptance_of(plan.key).observe(n_accepted, len(draft.tokens))
         if self.V is not None:
             planned = self.planned_cost(draft.source, len(draft.tokens))
             for kind in (draft.source, "all"):
@@ -377,7 +402,6 @@ class Controller:
         if draft.tokens:
             stats.drafted_by_source[source] = stats.drafted_by_source.get(source, 0) + len(draft.tokens)
             stats.accepted_by_source[source] = stats.accepted_by_source.get(source, 0) + n_accepted
-        stats.alpha_by_source = {source: round(a.alpha, 3) for source, a in self.acceptance.items()}
+        stats.alpha_by_source = {str(key): round(a.alpha, 3) for key, a in self.acceptance.items()}
         stats.last_source, stats.last_gamma = draft.source, len(draft.tokens)
-        if self._predicted[1] > 0:
-            stats.predicted_speedup = self._predicted[0] / self._predicted[1]
+        stats.predicted_speedup = self.predicted.speedup

@@ -16,6 +16,7 @@ from .drafters import CopyDrafter, Drafter, GrammarDrafter
 from .errors import EdgespecError
 from .grammar import Grammar, grammar_text
 from .model import ContextFull, Model
+from .sampling import DEFAULT as DEFAULT_SAMPLING
 from .sampling import (
     SamplingParams,
     constrained,
@@ -235,10 +236,10 @@ class Engine:
         stop: Sequence[str] = (),
         raw: bool = False,
         prediction: str | None = None,
-        temperature: float = 0.8,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
+        temperature: float = DEFAULT_SAMPLING.temperature,
+        top_k: int = DEFAULT_SAMPLING.top_k,
+        top_p: float = DEFAULT_SAMPLING.top_p,
+        min_p: float = DEFAULT_SAMPLING.min_p,
         seed: int | None = None,
         tools: list[dict] | None = None,
         tool_choice: ToolChoice | str | dict | None = None,

@@ -100,8 +100,8 @@ def _kernels(repack: bool) -> str:
     return "repacked (AMX)" if "AMX_INT8 = 1" in store.build() else "repacked"
 
 
-def _probe_argv(path: Path, repack: bool, n_threads: int, n_gpu_layers: int) -> list[str]:
-    """The child's command line (tests replace it with one that crashes)."""
+def probe_command(path: Path, repack: bool, n_threads: int, n_gpu_layers: int) -> list[str]:
+    """The probe child's command line (a seam: tests put one that crashes in its place)."""
     settings = (path, int(repack), n_threads, n_gpu_layers)
     return [sys.executable, "-m", "edgespec._kernel_probe", *map(str, settings)]
 
@@ -109,7 +109,7 @@ def _probe_argv(path: Path, repack: bool, n_threads: int, n_gpu_layers: int) -> 
 def _probe(path: Path, repack: bool, n_threads: int, n_gpu_layers: int) -> Probe:
     package_root = str(Path(__file__).resolve().parent.parent)  # the child imports this same edgespec
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    argv = _probe_argv(path, repack, n_threads, n_gpu_layers)
+    argv = probe_command(path, repack, n_threads, n_gpu_layers)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:

@@ -41,6 +41,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
+DEFAULT = SamplingParams()  # the one source of the defaults (engine, command line, chat app)
+
+
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Final sampling distribution over the vocabulary (float64, sums to 1).
 

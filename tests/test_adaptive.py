@@ -56,17 +56,17 @@ def feed(controller, accepted, drafted, rounds=1):
     """Rounds as if the controller had drafted `drafted` model tokens (0: a round without a draft),
     each timed exactly as the cost curves predict."""
     for _ in range(rounds):
-        controller.last = Plan(0.0, "model" if drafted else "off", drafted, key="model" if drafted else "")
-        draft = Draft([0] * drafted, None, source=controller.last.source)
-        controller.observe(draft, accepted, DRAFT(1) * drafted, controller.V(drafted + 1))
+        plan = Plan(0.0, "model" if drafted else "off", drafted, key="model" if drafted else "")
+        draft = Draft([0] * drafted, None, source=plan.source)
+        controller.observe(draft, accepted, DRAFT(1) * drafted, controller.V(drafted + 1), plan)
 
 
 @pytest.mark.parametrize("alpha", [0.3, 0.6, 0.8, 0.9, 0.97])
 @pytest.mark.parametrize("curve", [CPU, GPU], ids=["cpu", "gpu"])
 def test_controller_picks_the_gamma_the_formula_says(alpha, curve):
     controller = adaptive(curve)
-    controller._acceptance("model").accepted = alpha * 1e6  # evidence overwhelming the prior
-    controller._acceptance("model").rejected = (1 - alpha) * 1e6
+    controller.acceptance_of("model").accepted = alpha * 1e6  # evidence overwhelming the prior
+    controller.acceptance_of("model").rejected = (1 - alpha) * 1e6
     lengths = [k - 1 for k in curve.sizes(13) if k > 1]  # those whose verify pass has a known or small size
     rates = {g: expected_tokens(alpha, g) / (g * DRAFT(1) + curve(g + 1)) for g in lengths}
     best = max(rates, key=rates.get)
@@ -81,7 +81,7 @@ def test_controller_turns_off_when_alpha_is_low_and_comes_back_when_it_rises():
     controller = adaptive()
     assert controller.plan([1, 2, 3], 100).source == "model"  # the prior says a draft model pays on a GPU
     feed(controller, accepted=0, drafted=4, rounds=20)  # every draft rejected at once
-    assert controller._acceptance("model").alpha < 0.2
+    assert controller.acceptance_of("model").alpha < 0.2
     assert controller.plan([1, 2, 3], 100).source == "off"
     off_rounds = 0
     while controller.plan([1, 2, 3], 100).source == "off":  # old evidence fades: a probe comes
@@ -91,12 +91,12 @@ def test_controller_turns_off_when_alpha_is_low_and_comes_back_when_it_rises():
     assert off_rounds > 5  # ... but not at once
     feed(controller, accepted=4, drafted=4, rounds=30)  # the probe found α high again
     assert controller.plan([1, 2, 3], 100).source == "model"
-    assert controller._acceptance("model").alpha > 0.8
+    assert controller.acceptance_of("model").alpha > 0.8
 
 
 def test_model_draft_gets_stop_thresholds_from_the_cost_model():
     controller = adaptive(CPU, CostCurve({1: 0.2, 2: 0.25}))
-    controller._acceptance("model").accepted = 1e6  # α ≈ 1
+    controller.acceptance_of("model").accepted = 1e6  # α ≈ 1
     draft = controller.propose([1, 2, 3], 100, GREEDY, RNG)
     n, stop_below = controller.drafters["model"].calls[-1]
     assert draft.source == "model" and len(stop_below) == n
@@ -299,14 +299,14 @@ def test_rounds_slower_than_planned_lose_their_place():
     """The curve says the model pays (GPU), but its rounds really take three times as long:
     within a few rounds the controller plans no draft."""
     controller = fresh()
-    controller._acceptance("model").accepted = 0.8 * 1e6
-    controller._acceptance("model").rejected = 0.2 * 1e6
+    controller.acceptance_of("model").accepted = 0.8 * 1e6
+    controller.acceptance_of("model").rejected = 0.2 * 1e6
     assert controller.plan([1, 2, 3], 100).source == "model"
     rounds = 0
     while controller.plan([1, 2, 3], 100).source == "model":
-        plan = controller.last = controller.plan([1, 2, 3], 100)
+        plan = controller.plan([1, 2, 3], 100)
         draft = Draft([0] * plan.gamma, None, source="model")
-        controller.observe(draft, plan.gamma, 3 * 0.3 * plan.gamma, 3 * controller.V(plan.gamma + 1))
+        controller.observe(draft, plan.gamma, 3 * 0.3 * plan.gamma, 3 * controller.V(plan.gamma + 1), plan)
         rounds += 1
         assert rounds <= 5
     assert controller.live["model"].ratio > 1.3
@@ -319,9 +319,9 @@ def test_a_machine_slow_for_everything_changes_no_choice():
     before = controller.plan([1, 2, 3], 100)
     for i in range(40):
         source, gamma = ("off", 0) if i % 2 else ("model", before.gamma)
-        controller.last = Plan(1.0, source, gamma, key="model" if gamma else "")
+        plan = Plan(1.0, source, gamma, key="model" if gamma else "")
         draft = Draft([0] * gamma, None, source=source)
-        controller.observe(draft, gamma, 2 * 0.3 * gamma, 2 * controller.V(gamma + 1))
+        controller.observe(draft, gamma, 2 * 0.3 * gamma, 2 * controller.V(gamma + 1), plan)
     after = controller.plan([1, 2, 3], 100)
     assert after.source == before.source == "model"
     assert controller.live["model"].ratio == pytest.approx(controller.live["off"].ratio, rel=0.15)

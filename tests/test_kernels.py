@@ -54,13 +54,13 @@ def fake_probes(monkeypatch, *, on=None, off=None):
     """Probe children that run a given command instead of the real probe (None: the real one);
     returns the list of settings probed."""
     probed = []
-    real = kernels._probe_argv
+    real = kernels.probe_command
 
     def argv(path, repack, n_threads, n_gpu_layers):
         probed.append(repack)
         return (on if repack else off) or real(path, repack, n_threads, n_gpu_layers)
 
-    monkeypatch.setattr(kernels, "_probe_argv", argv)
+    monkeypatch.setattr(kernels, "probe_command", argv)
     return probed
 
 

@@ -69,7 +69,7 @@ class ChatApp(App):
         draft_mode: str = "auto",
         gamma: int | str | None = "auto",
         max_tokens: int | None = None,
-        temperature: float = 0.8,
+        temperature: float = edgespec.SamplingParams.temperature,
         **load_options,
     ) -> None:
         super().__init__()
