@@ -8,11 +8,13 @@ with edgespec.load() as engine:                      # the default pair from mod
 """
 
 from .drafters import Draft, Drafter, ModelDrafter
-from .engine import Engine, Event, Generation, Stats
+from .engine import Engine, Event, Generation
+from .engine_thread import EngineThread
 from .errors import EdgespecError
 from .loader import PairInfo, load, pairs, pull_models
 from .model import Model
 from .sampling import SamplingParams
+from .stats import Stats
 from .tools import ToolCall, ToolChoice
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "Drafter",
     "EdgespecError",
     "Engine",
+    "EngineThread",
     "Event",
     "Generation",
     "Model",

@@ -2,9 +2,9 @@
 
 All modes run greedy on the same engine, alternating, so they share the
 machine's state (heat, caches, other load); speed is reported as a ratio to the
-target-alone ("none") runs of the same prompt: the median over repeats of the
+target-alone ("off") runs of the same prompt: the median over repeats of the
 ratio within each repeat. A class with a JSON schema runs every mode under it (so
-"none" is the constrained target alone) and also runs the target without it
+"off" is the constrained target alone) and also runs the target without it
 ("no-grammar"), which prices the grammar itself.
 """
 
@@ -21,15 +21,26 @@ from unittest import mock
 import numpy as np
 
 from . import calibration
-from .controller import expected_tokens
 from .engine import Engine
 from .errors import EdgespecError
 from .registry import tomllib
+from .stats import Stats
 
 PROMPTS_FILE = Path(__file__).with_name("bench_prompts.toml")
-MODES = ("none", "model", "copy", "hybrid", "auto")
+MODES = ("off", "model", "copy", "hybrid", "auto")  # off: the target alone, as in every other place
 FIXED_GAMMA = 3  # the "model" mode's draft length unless --gamma says otherwise
 UNCONSTRAINED = "no-grammar"  # a schema class's target alone, without its schema
+# what a speculating mode's row reports of its runs' combined Stats
+SPECULATION = (
+    "acceptance_rate",
+    "tokens_per_round",
+    "mean_gamma",
+    "drafting_share",
+    "expected_tokens_per_round",
+    "rounds_by_source",
+    "accepted_prediction_tokens",
+    "rejected_prediction_tokens",
+)
 
 
 def load_prompts() -> list[dict]:
@@ -66,11 +77,11 @@ def run_bench(
     modes: Sequence[str] = MODES,
     prompts: Sequence[str] | None = None,
 ) -> dict:
-    """modes: which of MODES to run ("none", the baseline, always runs); prompts: which
+    """modes: which of MODES to run ("off", the baseline, always runs); prompts: which
     classes (default: all)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     check_selection(modes, prompts)
-    modes = [m for m in MODES if (m == "none" or m in modes) and (engine.drafter or m not in ("model", "hybrid"))]
+    modes = [m for m in MODES if m == "off" or (m in modes and m in engine.draft_modes)]
     if llama_baseline:
         modes.append("llama")
     fixed_gamma = gamma or FIXED_GAMMA
@@ -93,7 +104,7 @@ def run_bench(
                 if mode == "llama":
                     runs[mode].append(llama.run(engine.prompt_tokens(prompt["text"]), max_tokens))
                     continue
-                alone = mode in ("none", UNCONSTRAINED)
+                alone = mode in ("off", UNCONSTRAINED)
                 stats = engine.generate(
                     prompt["text"],
                     temperature=0,
@@ -136,14 +147,14 @@ def _ceiling(curve: calibration.CostCurve) -> dict:
 
 
 def _against_best_fixed(modes: dict) -> dict:
-    """The best fixed mode of the class (none, i.e. off, counts) and auto's ratio to it."""
+    """The best fixed mode of the class (off counts) and auto's ratio to it."""
     fixed = {m: row["speedup"] for m, row in modes.items() if m not in ("auto", "llama", UNCONSTRAINED)}
     best = max(fixed, key=fixed.get)
     return {"best_fixed": best, "auto_vs_best_fixed": modes["auto"]["speedup"] / fixed[best]}
 
 
 def _rows(name: str, runs: dict) -> dict:
-    """Per mode: tokens/s over all repeats, the median over repeats of its ratio to none
+    """Per mode: tokens/s over all repeats, the median over repeats of its ratio to off
     in the same repeat, prefill tokens/s, and what speculation did."""
 
     def rate(samples):
@@ -151,39 +162,15 @@ def _rows(name: str, runs: dict) -> dict:
 
     out = {"prompt": name, "modes": {}}
     for mode, samples in runs.items():
-        ratios = [rate([mine]) / rate([none]) for mine, none in zip(samples, runs["none"], strict=True)]
+        ratios = [rate([mine]) / rate([off]) for mine, off in zip(samples, runs["off"], strict=True)]
         row = {"tokens_per_s": rate(samples), "speedup": float(np.median(ratios))}
         row["prefill_tokens_per_s"] = sum(s.n_prompt for s in samples) / sum(s.prefill_s for s in samples)
-        if mode not in ("none", "llama", UNCONSTRAINED):
-            drafted, accepted, rounds = (sum(getattr(s, k) for s in samples) for k in ("drafted", "accepted", "rounds"))
-            drafting = sum(s.rounds - s.rounds_by_source.get("off", 0) for s in samples)
-            alpha = accepted / drafted if drafted else 0.0
-            mean_gamma = drafted / drafting if drafting else 0.0
-            row |= {
-                "accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in samples),
-                "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in samples),
-                "acceptance_rate": alpha,
-                "tokens_per_round": (accepted + rounds) / rounds,
-                "mean_gamma": mean_gamma,  # over rounds that drafted
-                "drafting_rounds": drafting / rounds,
-                "expected_tokens_per_drafting_round": expected_tokens(alpha, round(mean_gamma)) if drafting else 1.0,
-                "rounds_by_source": _sum_dicts(s.rounds_by_source for s in samples),
-                # per answer: tokens that came from each drafter's accepted drafts, and from the target
-                "tokens_by_source": {
-                    source: n / len(samples) for source, n in _sum_dicts(s.accepted_by_source for s in samples).items()
-                }
-                | {"target": (sum(s.n_tokens for s in samples) - accepted) / len(samples)},
-            }
+        if mode not in ("off", "llama", UNCONSTRAINED):
+            total = Stats.combine(samples).as_dict()
+            row |= {key: total[key] for key in SPECULATION}
+            row["tokens_by_source"] = {k: n / len(samples) for k, n in total["tokens_by_source"].items()}  # per answer
         out["modes"][mode] = row
     return out
-
-
-def _sum_dicts(dicts) -> dict:
-    total: dict = {}
-    for d in dicts:
-        for k, v in d.items():
-            total[k] = total.get(k, 0) + v
-    return total
 
 
 class _LlamaBaseline:
@@ -255,7 +242,7 @@ def print_report(report: dict) -> None:
     if report["draft_step_cost"] is not None:
         print(f"draft step: {report['draft_step_cost']:.2f} target steps")
     print(
-        f"{'prompt':<15}{'mode':<7}{'tok/s':>8}{'vs none':>9}{'prefill':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
+        f"{'prompt':<15}{'mode':<7}{'tok/s':>8}{'vs off':>9}{'prefill':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
         f"{'E[n]':>7}  rounds"
     )
     for row in report["prompts"]:
@@ -270,7 +257,7 @@ def print_report(report: dict) -> None:
             if "acceptance_rate" in m:
                 line += (
                     f"{m['acceptance_rate']:>7.2f}{m['tokens_per_round']:>10.2f}{m['mean_gamma']:>8.1f}"
-                    f"{m['expected_tokens_per_drafting_round']:>7.2f}  {m['rounds_by_source']}"
+                    f"{m['expected_tokens_per_round']:>7.2f}  {m['rounds_by_source']}"
                 )
                 by_source = ", ".join(f"{k} {v:.0f}" for k, v in m["tokens_by_source"].items())
                 line += f"; tokens/answer: {by_source}"

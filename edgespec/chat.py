@@ -10,7 +10,7 @@ RENDER_SECONDS; whatever a template does, the caller gets one EdgespecError.
 from __future__ import annotations
 
 from .errors import EdgespecError
-from .sandbox import SandboxCrashed, SandboxTimeout, sandbox
+from .sandbox import sandbox
 
 Message = dict[str, str]
 
@@ -42,16 +42,9 @@ def render(
         eos_token=eos_token,
         max_chars=max_chars,
     )
-    try:
-        answer = sandbox.ask(request, RENDER_SECONDS)
-    except SandboxTimeout:
-        raise EdgespecError(f"the model's chat template ran for more than {RENDER_SECONDS:g} s; {FIX}") from None
-    except SandboxCrashed:
-        raise EdgespecError(f"the model's chat template crashed its renderer; {FIX}") from None
+    answer = sandbox.answer(request, RENDER_SECONDS, what="the model's chat template", fix=FIX)
     if "too_long" in answer:
         raise PromptTooLong(answer["too_long"])
-    if "error" in answer:
-        raise EdgespecError(f"the model's chat template failed ({answer['error']}); {FIX}")
     return answer["text"]
 
 

@@ -109,33 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 tokens.append(event.token)
         stats = event.stats
     if args.json:
-        keys = (
-            "mode",
-            "gamma",
-            "rounds",
-            "drafted",
-            "accepted",
-            "acceptance_rate",
-            "tokens_per_round",
-            "n_tokens",
-            "tokens_per_s",
-            "prefill_s",
-            "decode_s",
-            "n_prompt",
-            "finish_reason",
-            "draft_mode",
-            "rounds_by_source",
-            "accepted_by_source",
-            "alpha_by_source",
-            "predicted_speedup",
-            "measured_speedup",
-            "accepted_prediction_tokens",
-            "rejected_prediction_tokens",
-            "flash_attn",
-            "repack",
-        )
-        all_stats = stats.as_dict()
-        print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": {k: all_stats[k] for k in keys}}))
+        print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": stats.as_dict()}))
     else:
         print(file=sys.stderr)
         print(f"[{stats.mode}] {stats.summary()}", file=sys.stderr)

@@ -91,10 +91,18 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
+MODEL_MODES = ("model", "hybrid")  # the modes that need a draft model
+
+
+def draft_modes(*, has_model: bool) -> tuple[str, ...]:
+    """The draft modes an engine can speculate with: without a draft model, those that need none."""
+    return tuple(m for m in MODES if m != "off" and (has_model or m not in MODEL_MODES))
+
+
 def check_mode(mode: str, *, has_model: bool) -> None:
     if mode not in MODES:
         raise EdgespecError(f"unknown draft mode '{mode}'; use one of {', '.join(MODES)}")
-    if mode in ("model", "hybrid") and not has_model:
+    if mode in MODEL_MODES and not has_model:
         raise EdgespecError(f"draft mode '{mode}' needs a draft model; give a pair or --draft, or use copy")
 
 
@@ -395,13 +403,6 @@ class Controller:
             if draft.source == "model" and draft.tokens and self.draft_step is not None:
                 self.draft_step.observe(1, draft_s / len(draft.tokens))
 
-    def report(self, stats, draft: Draft, n_accepted: int) -> None:
-        """Write what was chosen, and why, into the generation's Stats."""
-        source = draft.source
-        stats.rounds_by_source[source] = stats.rounds_by_source.get(source, 0) + 1
-        if draft.tokens:
-            stats.drafted_by_source[source] = stats.drafted_by_source.get(source, 0) + len(draft.tokens)
-            stats.accepted_by_source[source] = stats.accepted_by_source.get(source, 0) + n_accepted
-        stats.alpha_by_source = {str(key): round(a.alpha, 3) for key, a in self.acceptance.items()}
-        stats.last_source, stats.last_gamma = draft.source, len(draft.tokens)
-        stats.predicted_speedup = self.predicted.speedup
+    def alphas(self) -> dict[str, float]:
+        """The acceptance rate learnt per drafter (and per copy evidence level), for Stats."""
+        return {str(key): round(a.alpha, 3) for key, a in self.acceptance.items()}

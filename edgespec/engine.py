@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from time import perf_counter
 
 import numpy as np
 
 from . import calibration
 from .chat import Message, PromptTooLong, render
-from .controller import Controller, check_mode, expected_tokens
+from .controller import Controller, check_mode, draft_modes
 from .drafters import CopyDrafter, Drafter, GrammarDrafter
 from .errors import EdgespecError
 from .grammar import Grammar, grammar_text
@@ -26,6 +26,7 @@ from .sampling import (
     verify,
     verify_greedy,
 )
+from .stats import Stats
 from .text import TextStream
 from .tools import CLOSE, ToolCall, ToolCallParser, ToolChoice, call_grammar, prepare, tool_choice_of
 
@@ -45,115 +46,6 @@ def check_max_tokens(max_tokens: int | None) -> int | None:
     if max_tokens is not None and max_tokens < 1:
         raise EdgespecError(f"max-tokens must be >= 1, got {max_tokens}")
     return max_tokens
-
-
-@dataclass
-class Stats:
-    """Running statistics of one generation (updated in place while it streams)."""
-
-    mode: str  # "speculative" or "target-only"
-    gamma: int | str  # the requested draft length, or "auto"
-    draft_mode: str = "off"  # requested: auto, model, copy, hybrid or off
-    n_prompt: int = 0  # prompt tokens
-    n_prompt_cached: int = 0  # of those, reused from the KV cache of the previous request
-    rounds: int = 0  # target forward passes after prefill
-    drafted: int = 0
-    accepted: int = 0
-    n_tokens: int = 0  # tokens generated (prompt excluded)
-    prefill_s: float = 0.0
-    decode_s: float = 0.0  # end of prefill -> last token
-    draft_s: float = 0.0  # of decode_s: making drafts
-    verify_s: float = 0.0  # of decode_s: the target's batched forward + accept/resample
-    finish_reason: str | None = None  # stop | stop_string | length | context
-    # what the controller chose: rounds per source ("model", "copy", "prediction", "off"), draft
-    # tokens proposed and accepted per source, its α per drafter, its last choice, and the
-    # speedup over the target alone that its cost model predicted
-    rounds_by_source: dict[str, int] = field(default_factory=dict)
-    drafted_by_source: dict[str, int] = field(default_factory=dict)
-    accepted_by_source: dict[str, int] = field(default_factory=dict)
-    alpha_by_source: dict[str, float] = field(default_factory=dict)
-    last_source: str = "off"
-    last_gamma: int = 0
-    predicted_speedup: float = 1.0
-    baseline_tokens_per_s: float = 0.0  # 1 / V(1) from calibration (0 if not calibrated)
-    flash_attn: bool = False  # whether the target runs with flash attention
-    repack: bool = True  # whether the target's weights are repacked for llama.cpp's extra CPU kernels (kernels.py)
-
-    @property
-    def accepted_prediction_tokens(self) -> int:
-        """Tokens drafted from the prediction that the target kept (as OpenAI's usage reports them)."""
-        return self.accepted_by_source.get("prediction", 0)
-
-    @property
-    def rejected_prediction_tokens(self) -> int:
-        """Tokens drafted from the prediction that the target verified and rejected."""
-        return self.drafted_by_source.get("prediction", 0) - self.accepted_prediction_tokens
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_round(self) -> float:
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.n_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def mean_gamma(self) -> float:
-        """Draft length over the rounds that drafted."""
-        drafting = self.rounds - self.rounds_by_source.get("off", 0)
-        return self.drafted / drafting if drafting else 0.0
-
-    @property
-    def expected_tokens_per_round(self) -> float:
-        """E[n] that the measured α predicts for the mean draft length."""
-        return expected_tokens(self.acceptance_rate, round(self.mean_gamma)) if self.mean_gamma else 1.0
-
-    @property
-    def measured_speedup(self) -> float:
-        """tokens/s against the calibrated target-alone rate (0 if not calibrated)."""
-        return self.tokens_per_s / self.baseline_tokens_per_s if self.baseline_tokens_per_s else 0.0
-
-    @property
-    def other_s(self) -> float:
-        return max(self.decode_s - self.draft_s - self.verify_s, 0.0)
-
-    def as_dict(self) -> dict:
-        derived = (
-            "acceptance_rate",
-            "tokens_per_round",
-            "tokens_per_s",
-            "other_s",
-            "measured_speedup",
-            "accepted_prediction_tokens",
-            "rejected_prediction_tokens",
-        )
-        return asdict(self) | {name: getattr(self, name) for name in derived}
-
-    def summary(self) -> str:
-        line = f"{self.n_tokens} tokens, {self.tokens_per_s:.2f} tok/s"
-        if self.mode == "speculative":
-            line += (
-                f", acceptance {self.acceptance_rate:.0%}, {self.tokens_per_round:.2f} tokens/round"
-                f" (mode {self.draft_mode}, gamma {self.gamma})"
-            )
-            if self.baseline_tokens_per_s:
-                chosen = ", ".join(f"{k} {v}" for k, v in sorted(self.rounds_by_source.items()))
-                line += (
-                    f", rounds: {chosen}; speedup predicted {self.predicted_speedup:.2f}x,"
-                    f" measured {self.measured_speedup:.2f}x"
-                )
-            if self.drafted_by_source.get("prediction"):
-                line += (
-                    f", prediction tokens accepted {self.accepted_prediction_tokens},"
-                    f" rejected {self.rejected_prediction_tokens}"
-                )
-        line += f", flash attention {'on' if self.flash_attn else 'off'}, repack {'on' if self.repack else 'off'}"
-        split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s, other {self.other_s:.2f}s"
-        return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"
 
 
 @dataclass
@@ -186,10 +78,8 @@ class Engine:
     """A target model, optionally with a drafter. Use as a context manager, or
     call close(), to free llama.cpp's memory.
 
-    Use an engine (from load() on) from one thread: with llama.cpp's OpenMP builds each
-    thread that runs a model gets a thread team of its own, and once the teams outnumber
-    the cores every pass slows down (by a quarter on 2 cores, measured). The chat app and
-    the server keep all engine work on one dedicated thread."""
+    Use an engine (from load() on) from one thread (see engine_thread.py: the chat app
+    and the server keep all engine work on an EngineThread)."""
 
     def __init__(
         self,
@@ -217,6 +107,27 @@ class Engine:
         # seconds of answering since the last cost re-check, less what re-checks cost / RECHECK_SHARE:
         # many short answers must not each pay for one
         self._recheck_credit = 0.0
+        self.recheck: str | None = None  # a cost re-check due: "all" points, or those "due" by age
+        # shells that keep an engine thread (EngineThread) re-check when idle, not after each answer
+        self.defer_rechecks = False
+
+    def recheck_costs(self) -> None:
+        """Time again the costs the last answer found stale (see calibration.recheck), if any."""
+        curves = [(model, curve) for (model, _), curve in self._costs.items()]
+        recheck, self.recheck = self.recheck, None
+        if recheck == "all":
+            for _, curve in curves:
+                curve.mark_stale()
+            calibration.recheck(curves, every=True)
+        elif recheck == "due":
+            start = perf_counter()
+            calibration.recheck(curves)
+            self._recheck_credit -= (perf_counter() - start) / RECHECK_SHARE
+
+    @property
+    def draft_modes(self) -> tuple[str, ...]:
+        """The draft modes this engine can speculate with (model and hybrid need a draft model)."""
+        return draft_modes(has_model=self.drafter is not None)
 
     def cost_curve(self, model: Model, sizes=calibration.TARGET_SIZES) -> calibration.CostCurve:
         """V(k) of `model` on this machine: cached, else measured now (once)."""
@@ -431,17 +342,13 @@ class Engine:
         except ContextFull:
             stats.finish_reason = "context"
         self._recheck_credit += stats.prefill_s + stats.decode_s
-        curves = [(model, curve) for (model, _), curve in self._costs.items()]
-        if controller.V is not None and controller.costs_look_stale():  # timed on a busy machine:
-            for _, curve in curves:  # all of it again now, whatever the budget (once: then it is right)
-                curve.mark_stale()
-            calibration.recheck(curves, every=True)
-        elif controller.V is not None and self._recheck_credit >= 0:  # costs measured long ago (maybe
-            # on a busy machine) are measured again: after the answer, so it never delays a first token
-            start = perf_counter()
-            calibration.recheck(curves)
-            self._recheck_credit -= (perf_counter() - start) / RECHECK_SHARE
+        if controller.V is not None:
+            # timed on a busy machine: all of it again, whatever the budget (once: then it is right);
+            # else what was measured long ago, within the budget
+            self.recheck = "all" if controller.costs_look_stale() else "due" if self._recheck_credit >= 0 else None
         yield Event(text.flush(), None, None, stats)
+        if not self.defer_rechecks:  # after the final event: a re-check never delays an answer
+            self.recheck_costs()
 
 
 def speculative_decode(
@@ -484,12 +391,9 @@ def speculative_decode(
         t2 = perf_counter()
         controller.observe(draft, n, t1 - t0, t2 - t1)
 
-        stats.rounds += 1
-        stats.drafted += len(draft.tokens)
-        stats.accepted += n
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-        controller.report(stats, draft, n)
+        stats.record_round(
+            draft.source, len(draft.tokens), n, t1 - t0, t2 - t1, controller.alphas(), controller.predicted.speedup
+        )
         yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]
 
 

@@ -32,7 +32,7 @@ import llama_cpp
 import numpy as np
 
 from .errors import EdgespecError
-from .sandbox import SandboxCrashed, SandboxTimeout, sandbox
+from .sandbox import sandbox
 
 MAX_GRAMMAR_CHARS = 64 << 10  # GBNF text (given, or made from a schema) longer than this is refused
 MAX_SCHEMA_CHARS = 64 << 10
@@ -109,16 +109,10 @@ def json_schema_gbnf(schema: dict | str, name: str = "") -> str:
     if len(text := json.dumps(schema)) > MAX_SCHEMA_CHARS:
         raise GrammarError(f"the JSON schema has {len(text)} characters, more than {MAX_SCHEMA_CHARS}")
     request = dict(kind="json_schema", converter=CONVERTER, schema=schema, name=name, max_chars=MAX_GRAMMAR_CHARS)
-    try:
-        answer = sandbox.ask(request, SCHEMA_SECONDS)
-    except SandboxTimeout:
-        raise GrammarError(f"the JSON schema took over {SCHEMA_SECONDS:g} s to convert; {FIX_SCHEMA}") from None
-    except SandboxCrashed:
-        raise GrammarError(f"the JSON schema crashed its converter; {FIX_SCHEMA}") from None
+    what = "converting the JSON schema"
+    answer = sandbox.answer(request, SCHEMA_SECONDS, what=what, fix=FIX_SCHEMA, error=GrammarError)
     if "too_long" in answer:
         raise GrammarError(f"the JSON schema makes a grammar of {answer['too_long']} characters; simplify it")
-    if "error" in answer:
-        raise GrammarError(f"the JSON schema cannot be converted ({answer['error']}); {FIX_SCHEMA}")
     return _compact(answer["gbnf"])
 
 

@@ -19,6 +19,8 @@ import sys
 import threading
 from pathlib import Path
 
+from .errors import EdgespecError
+
 MEMORY = 1 << 30  # address space of the worker (Python and Jinja take about 100 MB of it)
 WORKER = Path(__file__).with_name("_sandbox_worker.py")
 
@@ -56,6 +58,19 @@ class Sandbox:
                 self._kill()
                 raise SandboxCrashed
             return json.loads(line)
+
+    def answer(self, request: dict, seconds: float, *, what: str, fix: str, error=EdgespecError) -> dict:
+        """The worker's answer, or `error` in one sentence: `what` (the input, as the
+        user knows it) ran too long, crashed the worker or failed; `fix` says what to do."""
+        try:
+            answer = self.ask(request, seconds)
+        except SandboxTimeout:
+            raise error(f"{what} ran for more than {seconds:g} s; {fix}") from None
+        except SandboxCrashed:
+            raise error(f"{what} crashed the sandbox worker; {fix}") from None
+        if "error" in answer:
+            raise error(f"{what} failed ({answer['error']}); {fix}")
+        return answer
 
     def _start(self) -> subprocess.Popen:
         if self._process is None or self._process.poll() is not None:

@@ -16,7 +16,6 @@ import asyncio
 import hmac
 import json
 import logging
-import queue
 import secrets
 import socket
 import threading
@@ -32,8 +31,10 @@ from starlette.routing import Route
 
 from . import tools
 from .controller import MODES
-from .engine import Engine, Event, Stats
+from .engine import Engine, Event
+from .engine_thread import EngineThread
 from .errors import EdgespecError
+from .stats import Stats
 
 MAX_BODY = 8 << 20  # bytes: a whole source file as a prediction fits many times over
 MAX_STOP = 16  # stop strings per request
@@ -58,7 +59,7 @@ class ApiError(Exception):
 # --- requests -----------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # each job is itself (kept in a set)
 class Job:
     """One generation: its parameters, and the events the worker sends back to the
     event loop (Events, then None; or one ApiError)."""
@@ -226,58 +227,54 @@ def completion_job(body: dict) -> Job:
 
 
 class Worker:
-    """Owns the engine on a thread of its own: loads it, runs jobs one at a time in the
-    order they came, and closes it. All llama.cpp work stays on this one thread: with
-    OpenMP builds a second thread that computes (the main one, say) gets a thread team of
-    its own, the teams outnumber the cores, and every pass slows down by a quarter
-    (measured on 2 cores)."""
+    """Owns the engine on its EngineThread: loads it, runs jobs one at a time in the
+    order they came, and closes it."""
 
     def __init__(self, load: Callable[[], Engine]) -> None:
         self.engine: Engine | None = None
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.current: Job | None = None
-        self._loaded = threading.Event()
-        self._load_error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(load,), name="edgespec-engine", daemon=True)
-        self.thread.start()
+        self._unfinished: set[Job] = set()  # submitted, not yet answered: told to stop on stop()
+        self.thread = EngineThread()
+        self._loading = self.thread.submit(self._load, load)
+
+    def _load(self, load: Callable[[], Engine]) -> Engine:
+        engine = load()
+        engine.defer_rechecks = True  # the thread re-checks costs when idle
+        self.engine = self.thread.engine = engine
+        return engine
 
     def wait_loaded(self) -> Engine:
         """The loaded engine, or the loading error raised here."""
-        self._loaded.wait()
-        if self._load_error is not None:
-            raise self._load_error
-        return self.engine
+        return self._loading.result()
 
     def submit(self, job: Job) -> None:
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
-        self.jobs.put(job)
+        self._unfinished.add(job)
+        self.thread.submit(self._serve, job)
 
     def stop(self) -> None:
-        """Cancel what runs, finish the thread (the next round boundary at the latest)."""
-        if self.current is not None:
-            self.current.cancelled.set()
-        while not self.jobs.empty():
-            if job := self.jobs.get_nowait():
-                job.cancelled.set()
-        self.jobs.put(None)
-        self.thread.join()
+        """Cancel what runs and what waits (each ends at its next round), close the engine,
+        finish the thread."""
+        for job in list(self._unfinished):
+            job.cancelled.set()
+        self.thread.submit(self._close)
+        self.thread.close()
 
-    def _run(self, load: Callable[[], Engine]) -> None:
+    def _close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = self.thread.engine = None
+
+    def _serve(self, job: Job) -> None:
+        self.current = job
         try:
-            self.engine = load()
-        except BaseException as e:  # bad input (one line for the user), or anything else
-            self._load_error = e
-            return
+            if job.cancelled.is_set():  # a client that left while queued costs nothing
+                job.send(None)
+            else:
+                self._generate(job)
         finally:
-            self._loaded.set()
-        with self.engine:
-            while (job := self.jobs.get()) is not None:
-                self.current = job
-                if job.cancelled.is_set():  # a client that left while queued costs nothing
-                    job.send(None)
-                else:
-                    self._generate(job)
-                self.current = None
+            self.current = None
+            self._unfinished.discard(job)
 
     def _generate(self, job: Job) -> None:
         try:
@@ -316,27 +313,6 @@ def usage(stats: Stats, predicted: bool) -> dict:
             "rejected_prediction_tokens": stats.rejected_prediction_tokens,
         }
     return out
-
-
-def speculative(stats: Stats) -> dict:
-    """What speculation did for this answer (as vLLM and LM Studio report it)."""
-    return {
-        "mode": stats.mode,
-        "draft_mode": stats.draft_mode,
-        "gamma": stats.gamma,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "acceptance_rate": round(stats.acceptance_rate, 4),
-        "tokens_per_round": round(stats.tokens_per_round, 3),
-        "tokens_per_s": round(stats.tokens_per_s, 2),
-        "rounds": stats.rounds,
-        "rounds_by_source": stats.rounds_by_source,
-        "measured_speedup": round(stats.measured_speedup, 3),
-        "predicted_speedup": round(stats.predicted_speedup, 3),
-        "flash_attn": stats.flash_attn,
-        "repack": stats.repack,
-        "finish_reason": stats.finish_reason,  # "context" when the context window filled up
-    }
 
 
 class Api:
@@ -449,7 +425,7 @@ class _Reply:
         return {"index": 0, "delta": out, "finish_reason": finish}
 
     def _closing(self, stats: Stats) -> dict:
-        return {"usage": usage(stats, self.job.predicted), "speculative": speculative(stats)}
+        return {"usage": usage(stats, self.job.predicted), "speculative": stats.as_dict()}
 
     async def whole(self, first: Event) -> dict:
         text, event = [first.text], first
@@ -494,7 +470,7 @@ class _Reply:
                     if self.job.include_usage:
                         yield _sse(self._envelope(kind, []) | self._closing(stats))
                     else:
-                        yield _sse(self._envelope(kind, []) | {"speculative": speculative(stats)})
+                        yield _sse(self._envelope(kind, []) | {"speculative": stats.as_dict()})
                     break
                 pending = [await self.job.events.get()]
             yield "data: [DONE]\n\n"

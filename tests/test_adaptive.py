@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibration, store
+from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibration, cost_curve, store
 from edgespec.calibration import CostCurve
 from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
 from edgespec.drafters import CopyDrafter
@@ -155,9 +155,9 @@ def test_a_pass_never_costs_more_than_its_tokens_one_at_a_time():
     curve = CostCurve.from_json(CostCurve(busy).to_json())
     assert curve(4) == busy[4]
     for k in (2, 8, 16, 64):
-        assert curve(k) == pytest.approx(k * 0.044 * calibration.BATCH_SLACK)
+        assert curve(k) == pytest.approx(k * 0.044 * cost_curve.BATCH_SLACK)
     curve.observe(32, 100.0)  # even a real round's timing cannot push a point past it
-    assert curve(32) <= 32 * curve(1) * calibration.BATCH_SLACK
+    assert curve(32) <= 32 * curve(1) * cost_curve.BATCH_SLACK
 
 
 def test_a_disturbed_point_is_timed_again(monkeypatch, smollm2):
@@ -252,16 +252,12 @@ def test_auto_without_a_draft_model_never_plans_one():
 def test_predicted_speedup_of_rounds_without_drafts_is_one_however_the_machine_drifts():
     """The prediction is counted in target steps of the curve each plan was made with: a
     machine that slows down while nothing is drafted predicts 1.0x, not its drift."""
-    from edgespec.engine import Stats
-
     controller = Controller("auto", None, CostCurve({1: 1.0, 2: 1.9}), None, None, CopyDrafter())
-    stats = Stats(mode="speculative", gamma="auto")
     for i in range(20):
         draft = controller.propose([1, 2, 3, 4, 5, 6, 7 + i], 100, GREEDY, RNG)
         assert draft.source == "off"
         controller.observe(draft, 0, 0.0, 1.5 + i / 10)  # every step slower than the last
-        controller.report(stats, draft, 0)
-    assert stats.predicted_speedup == pytest.approx(1.0)
+    assert controller.predicted.speedup == pytest.approx(1.0)
 
 
 # --- issue 16: costs as the rounds really run ---------------------------------------
@@ -372,3 +368,28 @@ def test_a_curve_timed_on_a_busy_machine_is_renewed_after_one_answer(tmp_path, m
     renewed = engine.cost_curve(smollm2)
     assert renewed(1) < 1.5 * quiet(1) and renewed(16) < 1.5 * quiet(16)
     assert renewed.due() is None
+
+
+def test_an_engine_thread_rechecks_costs_when_idle_after_the_final_event(monkeypatch, smollm2):
+    """Behind the server and the chat app: the final event (finish_reason, usage, [DONE])
+    goes out before any cost re-check, which runs once nothing is queued."""
+    from edgespec import EngineThread
+
+    rechecked = []
+    monkeypatch.setattr(calibration, "recheck", lambda curves, every=False: rechecked.append(time.monotonic()))
+    engine = Engine(smollm2, None)
+    engine.defer_rechecks = True
+    thread = EngineThread()
+    thread.engine = engine
+
+    def answer():
+        for event in engine.stream("Say hi.", temperature=0, max_tokens=4):
+            last = event
+        return time.monotonic(), engine.recheck, last.done
+
+    finished_at, due, done = thread.submit(answer).result()
+    deadline = time.monotonic() + 10
+    while not rechecked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    thread.close()
+    assert done and due == "due" and rechecked and rechecked[0] >= finished_at

@@ -100,7 +100,7 @@ def test_bench_small(capsys, sources, source):
     assert code == 0, err
     report = json.loads(out)
     modes = set(report["prompts"][0]["modes"])
-    assert modes == ({"none", "copy", "auto"} | ({"model", "hybrid"} if source == "pair" else set()))
+    assert modes == ({"off", "copy", "auto"} | ({"model", "hybrid"} if source == "pair" else set()))
     first = report["prompts"][0]
     assert first["best_fixed"] in modes and first["auto_vs_best_fixed"] > 0
     assert all(m["prefill_tokens_per_s"] > 0 for m in first["modes"].values())

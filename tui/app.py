@@ -1,14 +1,13 @@
 """The chat app: conversation on the left, live speculation stats on the right.
 
-Loading models and generating run on one engine thread, in order; the UI thread only
-draws, and the engine thread never waits for it.
+Loading models and generating run on the engine's thread (edgespec.EngineThread), in
+order; the UI thread only draws, and the engine thread never waits for it.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from time import monotonic
 
 from textual import on
@@ -23,7 +22,6 @@ import edgespec
 
 from .widgets import AssistantMessage, PairPicker, StatsPanel, UserMessage
 
-DRAFT_MODES = ("auto", "model", "copy", "hybrid")
 GAMMAS = ("auto", 1, 2, 3, 4, 6, 8, 16)
 REFRESH_S = 0.25  # redraw at most this often: drawing shares the CPU with llama.cpp
 
@@ -83,7 +81,7 @@ class ChatApp(App):
         self._load_options = load_options
         self.last_stats: edgespec.Stats | None = None
         self._stop = threading.Event()
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-engine")
+        self._engine_thread = edgespec.EngineThread()
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -99,8 +97,7 @@ class ChatApp(App):
 
     # --- models -------------------------------------------------------------
     def _on_engine_thread(self, blocking, *args) -> None:
-        """Run blocking engine work on the one engine thread, in order (see edgespec.Engine:
-        llama.cpp work from several threads slows every pass). It reports back with
+        """Run blocking engine work on the engine thread, in order. It reports back with
         _to_ui(), never waiting for the screen."""
         self._engine_thread.submit(blocking, *args).add_done_callback(self._report_failure)
 
@@ -133,7 +130,8 @@ class ChatApp(App):
             self._to_ui(self._load_failed, str(e))
         else:
             self._close_engine()
-            self.engine = engine
+            engine.defer_rechecks = True  # the engine thread re-checks costs when idle
+            self.engine = self._engine_thread.engine = engine
             self._to_ui(self._engine_ready, engine)
         finally:
             self._to_ui(self._set_busy, False)
@@ -247,8 +245,7 @@ class ChatApp(App):
             message.coloured = self.colour
 
     def action_cycle_mode(self) -> None:
-        has_model = self.engine is not None and self.engine.drafter is not None
-        modes = DRAFT_MODES if has_model else ("auto", "copy")
+        modes = self.engine.draft_modes if self.engine is not None else ("auto",)
         self.draft_mode = modes[(modes.index(self.draft_mode) + 1) % len(modes)] if self.draft_mode in modes else "auto"
         self.notify(f"Draft mode: {self.draft_mode}")
 
@@ -273,12 +270,12 @@ class ChatApp(App):
         thread runs one thing at a time)."""
         if self.engine is not None:
             self.engine.close()
-            self.engine = None
+            self.engine = self._engine_thread.engine = None
 
     def on_unmount(self) -> None:
         self._stop.set()
         self._on_engine_thread(self._close_engine)
-        self._engine_thread.shutdown(wait=True)  # the engine thread never waits for the screen
+        self._engine_thread.close()  # the engine thread never waits for the screen
 
 
 def run(**options) -> None:

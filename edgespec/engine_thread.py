@@ -1,0 +1,64 @@
+"""One thread for all of an engine's work.
+
+llama.cpp's OpenMP builds give each thread that runs a model a thread team of its own;
+once the teams outnumber the cores every pass slows down (by a quarter on 2 cores,
+measured). So an engine is used from one thread only: the server and the chat app hand
+their work to an EngineThread, which runs it in order. When nothing is queued it does
+the engine's upkeep (Engine.recheck_costs), so re-timing costs never sits between an
+answer's last token and its final event, nor delays a job that is waiting.
+
+A job that should stop early (a client gone, Esc in the chat) is told by its owner
+through a flag it reads each round; close() drops the jobs not started.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from .engine import Engine
+
+
+class EngineThread:
+    def __init__(self, name: str = "edgespec-engine") -> None:
+        self.engine: Engine | None = None  # whose upkeep runs when idle (set once loaded)
+        self._jobs: queue.Queue[tuple[Future, Callable, tuple] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable, *args) -> Future:
+        """Run work(*args) on the engine thread after what is queued; its result or
+        exception comes in the future."""
+        future: Future = Future()
+        self._jobs.put((future, work, args))
+        return future
+
+    def close(self) -> None:
+        """Drop the jobs not started, let the running one finish, end the thread."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            engine = self.engine
+            if engine is not None and engine.recheck and self._jobs.empty():
+                engine.recheck_costs()  # idle: the engine's upkeep
+                continue
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, work, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(work(*args))
+                except BaseException as e:  # the caller's to report (as with an executor)
+                    future.set_exception(e)

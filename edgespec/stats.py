@@ -1,0 +1,190 @@
+"""Statistics of a generation: one type, written in one place (the decode loop), read
+by every shell (the command line, the server, the chat app, bench) through as_dict()
+or its fields."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from .controller import expected_tokens
+
+DERIVED = (
+    "acceptance_rate",
+    "tokens_per_round",
+    "tokens_per_s",
+    "other_s",
+    "mean_gamma",
+    "expected_tokens_per_round",
+    "drafting_share",
+    "measured_speedup",
+    "accepted_prediction_tokens",
+    "rejected_prediction_tokens",
+    "tokens_by_source",
+)
+SUMMED = (
+    "n_prompt",
+    "n_prompt_cached",
+    "rounds",
+    "drafted",
+    "accepted",
+    "n_tokens",
+    "prefill_s",
+    "decode_s",
+    "draft_s",
+    "verify_s",
+)
+SUMMED_BY_SOURCE = ("rounds_by_source", "drafted_by_source", "accepted_by_source")
+
+
+@dataclass
+class Stats:
+    """Running statistics of one generation (updated in place while it streams)."""
+
+    mode: str  # "speculative" or "target-only"
+    gamma: int | str  # the requested draft length, or "auto"
+    draft_mode: str = "off"  # requested: auto, model, copy, hybrid or off
+    n_prompt: int = 0  # prompt tokens
+    n_prompt_cached: int = 0  # of those, reused from the KV cache of the previous request
+    rounds: int = 0  # target forward passes after prefill
+    drafted: int = 0
+    accepted: int = 0
+    n_tokens: int = 0  # tokens generated (prompt excluded)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # end of prefill -> last token
+    draft_s: float = 0.0  # of decode_s: making drafts
+    verify_s: float = 0.0  # of decode_s: the target's batched forward + accept/resample
+    finish_reason: str | None = None  # stop | stop_string | length | context
+    # what the controller chose: rounds per source ("model", "copy", "prediction", "off"), draft
+    # tokens proposed and accepted per source, its α per drafter, its last choice, and the
+    # speedup over the target alone that its cost model predicted
+    rounds_by_source: dict[str, int] = field(default_factory=dict)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    alpha_by_source: dict[str, float] = field(default_factory=dict)
+    last_source: str = "off"
+    last_gamma: int = 0
+    predicted_speedup: float = 1.0
+    baseline_tokens_per_s: float = 0.0  # 1 / V(1) from calibration (0 if not calibrated)
+    flash_attn: bool = False  # whether the target runs with flash attention
+    repack: bool = True  # whether the target's weights are repacked for llama.cpp's extra CPU kernels (kernels.py)
+
+    @property
+    def accepted_prediction_tokens(self) -> int:
+        """Tokens drafted from the prediction that the target kept (as OpenAI's usage reports them)."""
+        return self.accepted_by_source.get("prediction", 0)
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        """Tokens drafted from the prediction that the target verified and rejected."""
+        return self.drafted_by_source.get("prediction", 0) - self.accepted_prediction_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        """Draft length over the rounds that drafted."""
+        drafting = self.rounds - self.rounds_by_source.get("off", 0)
+        return self.drafted / drafting if drafting else 0.0
+
+    @property
+    def expected_tokens_per_round(self) -> float:
+        """E[n] that the measured α predicts for the mean draft length."""
+        return expected_tokens(self.acceptance_rate, round(self.mean_gamma)) if self.mean_gamma else 1.0
+
+    @property
+    def measured_speedup(self) -> float:
+        """tokens/s against the calibrated target-alone rate (0 if not calibrated)."""
+        return self.tokens_per_s / self.baseline_tokens_per_s if self.baseline_tokens_per_s else 0.0
+
+    @property
+    def other_s(self) -> float:
+        return max(self.decode_s - self.draft_s - self.verify_s, 0.0)
+
+    @property
+    def drafting_share(self) -> float:
+        """Of the rounds, the share that drafted."""
+        return (self.rounds - self.rounds_by_source.get("off", 0)) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_by_source(self) -> dict[str, int]:
+        """Where the answer's tokens came from: each drafter's accepted drafts, and the target."""
+        return dict(self.accepted_by_source) | {"target": self.n_tokens - self.accepted}
+
+    def record_round(
+        self,
+        source: str,
+        drafted: int,
+        accepted: int,
+        draft_s: float,
+        verify_s: float,
+        alpha_by_source: dict[str, float],
+        predicted_speedup: float,
+    ) -> None:
+        """One round of draft -> verify: what it drafted (from `source`) and kept, its
+        times, and the controller's view after it."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        self.rounds_by_source[source] = self.rounds_by_source.get(source, 0) + 1
+        if drafted:
+            self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + drafted
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
+        self.alpha_by_source = alpha_by_source
+        self.last_source, self.last_gamma = source, drafted
+        self.predicted_speedup = predicted_speedup
+
+    def as_dict(self) -> dict:
+        """The one JSON view of the statistics (the command line's --json, the server's
+        `speculative` object, bench): every field and every derived figure."""
+        return asdict(self) | {name: getattr(self, name) for name in DERIVED}
+
+    @classmethod
+    def combine(cls, many: Sequence[Stats]) -> Stats:
+        """Several generations' statistics as one (counts, times and per-source counts
+        summed; the settings of the first): what bench reports per mode."""
+        total = cls(mode=many[0].mode, gamma=many[0].gamma, draft_mode=many[0].draft_mode)
+        for stats in many:
+            for name in SUMMED:
+                setattr(total, name, getattr(total, name) + getattr(stats, name))
+            for name in SUMMED_BY_SOURCE:
+                mine = getattr(total, name)
+                for source, n in getattr(stats, name).items():
+                    mine[source] = mine.get(source, 0) + n
+        total.flash_attn, total.repack = many[0].flash_attn, many[0].repack
+        total.baseline_tokens_per_s = many[0].baseline_tokens_per_s
+        return total
+
+    def summary(self) -> str:
+        line = f"{self.n_tokens} tokens, {self.tokens_per_s:.2f} tok/s"
+        if self.mode == "speculative":
+            line += (
+                f", acceptance {self.acceptance_rate:.0%}, {self.tokens_per_round:.2f} tokens/round"
+                f" (mode {self.draft_mode}, gamma {self.gamma})"
+            )
+            if self.baseline_tokens_per_s:
+                chosen = ", ".join(f"{k} {v}" for k, v in sorted(self.rounds_by_source.items()))
+                line += (
+                    f", rounds: {chosen}; speedup predicted {self.predicted_speedup:.2f}x,"
+                    f" measured {self.measured_speedup:.2f}x"
+                )
+            if self.drafted_by_source.get("prediction"):
+                line += (
+                    f", prediction tokens accepted {self.accepted_prediction_tokens},"
+                    f" rejected {self.rejected_prediction_tokens}"
+                )
+        line += f", flash attention {'on' if self.flash_attn else 'off'}, repack {'on' if self.repack else 'off'}"
+        split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s, other {self.other_s:.2f}s"
+        return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"
