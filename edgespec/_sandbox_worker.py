@@ -45,7 +45,11 @@ def json_schema(request):
     converter = _converter(request["converter"]).SchemaConverter(
         prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
     )
-    converter.visit(converter.resolve_refs(request["schema"], "stdin"), request["name"])
+    try:
+        schema = converter.resolve_refs(request["schema"], "stdin")
+    except AssertionError:  # what the converter raises for a remote $ref, naming a flag of its own
+        raise ValueError("a $ref to a remote schema (edgespec fetches nothing): put that schema inline") from None
+    converter.visit(schema, request["name"])
     gbnf = converter.format_grammar()
     if len(gbnf) > request["max_chars"]:
         return {"too_long": len(gbnf)}
