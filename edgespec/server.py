@@ -64,11 +64,7 @@ class Job:
     """One generation: its parameters, and the events the worker sends back to the
     event loop (Events, then None; or one ApiError)."""
 
-    prompt: str | list[dict]
-    options: dict  # Engine.stream() keyword arguments
-    stream: bool = False
-    include_usage: bool = False
-    predicted: bool = False
+    request: ApiRequest
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
@@ -106,121 +102,167 @@ def _get(body: dict, name: str, kinds: tuple, default=None):
     return value
 
 
-def _options(body: dict) -> dict:
-    """Engine.stream() options from the request's sampling and speculation fields."""
-    n = _get(body, "n", (int,), 1)
-    if n != 1:
-        raise ApiError(400, "only n=1 is supported: one answer per request", "n")
-    for unsupported in ("logprobs", "functions", "echo", "suffix"):
-        if body.get(unsupported) not in (None, False, [], 0, ""):
-            raise ApiError(400, f"'{unsupported}' is not supported by edgespec", unsupported)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
-    if stop and len(stop) > MAX_STOP:
-        raise ApiError(400, f"at most {MAX_STOP} stop strings", "stop")
-    max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
-    draft_mode = _get(body, "draft_mode", (str,))
-    if draft_mode is not None and draft_mode not in MODES:
-        raise ApiError(400, f"'draft_mode' must be one of {', '.join(MODES)}", "draft_mode")
-    gamma = body.get("gamma")
-    if gamma is not None and gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int)):
-        raise ApiError(400, "'gamma' must be an integer or \"auto\"", "gamma")
-    given = {
-        "max_tokens": max_tokens,
-        "stop": stop,
-        "temperature": _get(body, "temperature", (int, float)),
-        "top_p": _get(body, "top_p", (int, float)),
-        "top_k": _get(body, "top_k", (int,)),
-        "min_p": _get(body, "min_p", (int, float)),
-        "seed": _get(body, "seed", (int,)),
-        "draft_mode": draft_mode,
-        "gamma": gamma,
-    }
-    options = {k: v for k, v in given.items() if v is not None}  # the rest: Engine.stream's defaults
-    if body.get("tools"):
-        try:
-            options["tool_choice"] = tools.check(body["tools"], body.get("tool_choice"))
-        except EdgespecError as e:
-            raise ApiError(400, str(e), "tools") from None
-        options["tools"] = body["tools"]
-        options["parallel_tool_calls"] = _get(body, "parallel_tool_calls", (bool,), True)
-    options.update(_constraint(body))
-    prediction = body.get("prediction")
-    if prediction is not None:
-        if not isinstance(prediction, dict) or prediction.get("type") != "content":
-            raise ApiError(400, '\'prediction\' must be {"type": "content", "content": ...}', "prediction")
-        options["prediction"] = _text(prediction.get("content"), "prediction.content")
-    return options
+# Engine.stream's keyword arguments that a request may set (unset: the engine's defaults)
+ENGINE_OPTIONS = (
+    "max_tokens",
+    "stop",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "draft_mode",
+    "gamma",
+    "prediction",
+    "json_schema",
+    "grammar",
+)
 
 
-def _constraint(body: dict) -> dict:
-    """What the answer must match: OpenAI's response_format, or llama-server's `grammar`
-    (GBNF text) and `json_schema` (a schema) fields; Engine.stream checks and compiles it."""
-    given = {}
+@dataclass
+class ApiRequest:
+    """One request to /v1/chat/completions or /v1/completions, validated: what edgespec
+    takes of OpenAI's schema (and llama-server's extensions) is read in from_json(),
+    and engine_options() gives Engine.stream's arguments (as vLLM's to_sampling_params)."""
+
+    prompt: str | list[dict]  # a completion's text, or the chat's messages
+    raw: bool = False  # a completion: the prompt is sent as it is, no chat template
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    max_tokens: int | None = None
+    stop: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    draft_mode: str | None = None
+    gamma: int | str | None = None
+    tools: list[dict] | None = None
+    tool_choice: tools.ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    prediction: str | None = None  # OpenAI's Predicted Outputs
+    json_schema: dict | None = None  # response_format json_schema / json_object, or llama-server's json_schema
+    grammar: str | None = None  # llama-server's GBNF grammar
+
+    @classmethod
+    def from_json(cls, body: dict, *, chat: bool) -> ApiRequest:
+        """The request in `body`, or ApiError(400) naming the first field that is wrong."""
+        request = cls(cls._chat_messages(body) if chat else cls._completion_prompt(body), raw=not chat)
+        n = _get(body, "n", (int,), 1)
+        if n != 1:
+            raise ApiError(400, "only n=1 is supported: one answer per request", "n")
+        for unsupported in ("logprobs", "functions", "echo", "suffix"):
+            if body.get(unsupported) not in (None, False, [], 0, ""):
+                raise ApiError(400, f"'{unsupported}' is not supported by edgespec", unsupported)
+        request.stream = _get(body, "stream", (bool,), False)
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict):
+            raise ApiError(400, "'stream_options' must be an object", "stream_options")
+        request.include_usage = bool(_get(stream_options, "include_usage", (bool,), False))
+        stop = body.get("stop")
+        request.stop = [stop] if isinstance(stop, str) else stop
+        if request.stop is not None and not (
+            isinstance(request.stop, list) and all(isinstance(s, str) for s in request.stop)
+        ):
+            raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
+        if request.stop and len(request.stop) > MAX_STOP:
+            raise ApiError(400, f"at most {MAX_STOP} stop strings", "stop")
+        request.max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
+        for name in ("temperature", "top_p", "min_p"):
+            setattr(request, name, _get(body, name, (int, float)))
+        request.top_k, request.seed = _get(body, "top_k", (int,)), _get(body, "seed", (int,))
+        request.draft_mode = _get(body, "draft_mode", (str,))
+        if request.draft_mode is not None and request.draft_mode not in MODES:
+            raise ApiError(400, f"'draft_mode' must be one of {', '.join(MODES)}", "draft_mode")
+        request.gamma = body.get("gamma")
+        if request.gamma not in (None, "auto") and (
+            isinstance(request.gamma, bool) or not isinstance(request.gamma, int)
+        ):
+            raise ApiError(400, "'gamma' must be an integer or \"auto\"", "gamma")
+        if body.get("tools"):
+            try:
+                request.tool_choice = tools.check(body["tools"], body.get("tool_choice"))
+            except EdgespecError as e:
+                raise ApiError(400, str(e), "tools") from None
+            request.tools = body["tools"]
+            request.parallel_tool_calls = _get(body, "parallel_tool_calls", (bool,), True)
+        prediction = body.get("prediction")
+        if prediction is not None:
+            if not isinstance(prediction, dict) or prediction.get("type") != "content":
+                raise ApiError(400, '\'prediction\' must be {"type": "content", "content": ...}', "prediction")
+            request.prediction = _text(prediction.get("content"), "prediction.content")
+        request.json_schema, request.grammar = _constraint(body)
+        return request
+
+    @staticmethod
+    def _chat_messages(body: dict) -> list[dict]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", "messages")
+        chat = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+            message = {"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")}
+            if m.get("tool_calls"):  # an assistant's earlier calls
+                calls = m["tool_calls"]
+                if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                    raise ApiError(
+                        400, f"messages[{i}].tool_calls must be a list of calls", f"messages[{i}].tool_calls"
+                    )
+                message["tool_calls"] = calls
+            if isinstance(m.get("tool_call_id"), str):  # a tool's result
+                message["tool_call_id"] = m["tool_call_id"]
+            chat.append(message)
+        return chat
+
+    @staticmethod
+    def _completion_prompt(body: dict) -> str:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+        return prompt
+
+    @property
+    def predicted(self) -> bool:
+        return self.prediction is not None
+
+    def engine_options(self) -> dict:
+        """Engine.stream's keyword arguments: what the request set (the rest: the engine's defaults)."""
+        options = {name: getattr(self, name) for name in ENGINE_OPTIONS if getattr(self, name) is not None}
+        if self.tools:
+            options |= {"tools": self.tools, "tool_choice": self.tool_choice}
+            options["parallel_tool_calls"] = self.parallel_tool_calls
+        return options | ({"raw": True} if self.raw else {})
+
+
+def _constraint(body: dict) -> tuple[dict | None, str | None]:
+    """(json_schema, grammar) the answer must match: OpenAI's response_format, or
+    llama-server's `json_schema` (a schema) and `grammar` (GBNF text) fields;
+    Engine.stream checks and compiles them."""
+    json_schema = None
     response_format = body.get("response_format")
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
     if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
         if kind == "json_object":
-            given["json_schema"] = {"type": "object"}
+            json_schema = {"type": "object"}
         elif kind == "json_schema":
             spec = response_format.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise ApiError(400, "'response_format.json_schema.schema' must be an object", "response_format")
-            given["json_schema"] = spec["schema"]
+            json_schema = spec["schema"]
         elif kind != "text":
             raise ApiError(400, "'response_format.type' must be text, json_object or json_schema", "response_format")
-    if body.get("json_schema") is not None:
-        if not isinstance(body["json_schema"], dict):
-            raise ApiError(400, "'json_schema' must be an object (a JSON schema)", "json_schema")
-        given["json_schema"] = body["json_schema"]
-    if (grammar := _get(body, "grammar", (str,))) is not None:
-        given["grammar"] = grammar
-    if len(given) > 1 or (response_format and response_format.get("type") != "text" and "json_schema" in body):
+    if body.get("json_schema") is not None and not isinstance(body["json_schema"], dict):
+        raise ApiError(400, "'json_schema' must be an object (a JSON schema)", "json_schema")
+    grammar = _get(body, "grammar", (str,))
+    given = [json_schema, body.get("json_schema"), grammar]
+    if sum(x is not None for x in given) > 1:
         raise ApiError(400, "give one of response_format, json_schema and grammar", "response_format")
-    return given
-
-
-def _stream_flags(body: dict) -> tuple[bool, bool]:
-    stream = _get(body, "stream", (bool,), False)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise ApiError(400, "'stream_options' must be an object", "stream_options")
-    return stream, bool(_get(stream_options, "include_usage", (bool,), False))
-
-
-def chat_job(body: dict) -> Job:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", "messages")
-    chat = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
-        message = {"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")}
-        if m.get("tool_calls"):  # an assistant's earlier calls
-            if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
-                raise ApiError(400, f"messages[{i}].tool_calls must be a list of calls", f"messages[{i}].tool_calls")
-            message["tool_calls"] = m["tool_calls"]
-        if isinstance(m.get("tool_call_id"), str):  # a tool's result
-            message["tool_call_id"] = m["tool_call_id"]
-        chat.append(message)
-    options = _options(body)
-    stream, include_usage = _stream_flags(body)
-    return Job(chat, options, stream, include_usage, "prediction" in options)
-
-
-def completion_job(body: dict) -> Job:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
-    options = _options(body)
-    stream, include_usage = _stream_flags(body)
-    return Job(prompt, options | {"raw": True}, stream, include_usage, "prediction" in options)
+    return json_schema or body.get("json_schema"), grammar
 
 
 # --- the worker ---------------------------------------------------------------------
@@ -278,7 +320,7 @@ class Worker:
 
     def _generate(self, job: Job) -> None:
         try:
-            events = self.engine.stream(job.prompt, **job.options)
+            events = self.engine.stream(job.request.prompt, **job.request.engine_options())
         except EdgespecError as e:  # the prompt is too long, a parameter is out of range, ...
             job.send(ApiError(400, str(e)))
             return
@@ -349,15 +391,15 @@ class Api:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def chat(self, request: Request) -> Response:
-        return await self._answer(request, chat_job, "chat.completion")
+        return await self._answer(request, "chat.completion")
 
     async def completions(self, request: Request) -> Response:
-        return await self._answer(request, completion_job, "text_completion")
+        return await self._answer(request, "text_completion")
 
-    async def _answer(self, request: Request, make_job, kind: str) -> Response:
+    async def _answer(self, request: Request, kind: str) -> Response:
         watcher = None
         try:
-            job = make_job(await _json_body(request))
+            job = Job(ApiRequest.from_json(await _json_body(request), chat=kind == "chat.completion"))
             self.worker.submit(job)
             watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
             first = await job.events.get()
@@ -367,7 +409,7 @@ class Api:
             if isinstance(first, ApiError):
                 raise first
             reply = _Reply(kind, self.model_name, job)
-            if job.stream:
+            if job.request.stream:
                 watcher, streaming = None, watcher  # the stream owns it from here
                 return StreamingResponse(reply.chunks(first, streaming), media_type="text/event-stream")
             return JSONResponse(await reply.whole(first))
@@ -389,10 +431,10 @@ class _Reply:
         self.kind, self.model, self.job = kind, model, job
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id, self.created = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
-        choice = job.options.get("tool_choice")
+        choice = job.request.tool_choice
         self.calls = None  # reads tool calls out of the answer, where tools may be called
         if choice is not None and choice.mode != "none":
-            self.calls = tools.ToolCallParser(choice.opening, parallel=job.options["parallel_tool_calls"])
+            self.calls = tools.ToolCallParser(choice.opening, parallel=job.request.parallel_tool_calls)
 
     def _split(self, text: str, *, last: bool = False) -> tuple[str, list[tools.ToolCall]]:
         """The answer's new text -> (its text to show, the tool calls it completed)."""
@@ -425,7 +467,7 @@ class _Reply:
         return {"index": 0, "delta": out, "finish_reason": finish}
 
     def _closing(self, stats: Stats) -> dict:
-        return {"usage": usage(stats, self.job.predicted), "speculative": stats.as_dict()}
+        return {"usage": usage(stats, self.job.request.predicted), "speculative": stats.as_dict()}
 
     async def whole(self, first: Event) -> dict:
         text, event = [first.text], first
@@ -467,7 +509,7 @@ class _Reply:
                     _log_answer(stats)
                     finish = self._choice("", self._finish_reason(stats), delta=True)
                     yield _sse(self._envelope(kind, [finish]))
-                    if self.job.include_usage:
+                    if self.job.request.include_usage:
                         yield _sse(self._envelope(kind, []) | self._closing(stats))
                     else:
                         yield _sse(self._envelope(kind, []) | {"speculative": stats.as_dict()})
