@@ -338,8 +338,8 @@ class Controller:
                 lookup.tokens = grammar.allowed_prefix(lookup.tokens)
             # every token the target wrote while a copy was aligned says whether the copy was
             # right: α per evidence level is learnt from all of them, drafted or not
-            for source, evidence, matched in copy.take_outcomes():
-                self.acceptance_of(CopyKey.of(source, evidence)).observe(matched, 1)
+            for outcome in copy.take_outcomes():
+                self.acceptance_of(CopyKey.of(outcome.source, outcome.evidence)).observe(outcome.matched, 1)
             confident_copy = bool(lookup.tokens) and (self.mode != "hybrid" or copy.evidence >= HYBRID_MIN_MATCH)
             if confident_copy:
                 key = CopyKey.of(lookup.source, copy.evidence)

@@ -18,6 +18,18 @@ from .grammar import MAX_FORCED_CHARS, Grammar
 from .model import Model
 from .sampling import SamplingParams, constrained, constrained_argmax, distribution, sample
 
+CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
+SOURCE_NAMES = ("copy", "prediction")  # what a copy draft reports as its source, per source
+# re-anchoring after the target left the source: its last k tokens are looked for this far
+# (in source tokens) from where the pointer was lost; one token alone only very near
+LOCAL_REACH = ((3, 256), (2, 32), (1, 4))
+LOCAL_BACK = 8  # the target may also repeat a little of what it already wrote
+LOCAL_SPAN = 32  # past this many tokens since the loss, only a global n-gram match re-anchors
+MAX_RULE = (4, 8)  # longest learnt substitution: source tokens -> what the target wrote instead
+REANCHOR_KEEPS = 0.5  # of the evidence an alignment had, what it keeps when found again nearby
+MIN_LOST = 4  # an alignment that held for fewer tokens was a chance match: not worth finding again
+MIN_RENAME = 3  # shortest word whose renaming is carried over to the other tokens it appears in
+
 
 @dataclass
 class Draft:
@@ -96,17 +108,72 @@ class ModelDrafter:
         return Draft(tokens, None if q_rows is None else q_rows[: len(tokens)], source="model")
 
 
-CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
-SOURCE_NAMES = ("copy", "prediction")  # what a copy draft reports as its source, per source
-# re-anchoring after the target left the source: its last k tokens are looked for this far
-# (in source tokens) from where the pointer was lost; one token alone only very near
-LOCAL_REACH = ((3, 256), (2, 32), (1, 4))
-LOCAL_BACK = 8  # the target may also repeat a little of what it already wrote
-LOCAL_SPAN = 32  # past this many tokens since the loss, only a global n-gram match re-anchors
-MAX_RULE = (4, 8)  # longest learnt substitution: source tokens -> what the target wrote instead
-REANCHOR_KEEPS = 0.5  # of the evidence an alignment had, what it keeps when found again nearby
-MIN_LOST = 4  # an alignment that held for fewer tokens was a chance match: not worth finding again
-MIN_RENAME = 3  # shortest word whose renaming is carried over to the other tokens it appears in
+@dataclass(frozen=True)
+class Pointer:
+    """Where a copy is in its source: at the next raw source token."""
+
+    source: int  # CONTEXT or PREDICTION
+    pos: int
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Where the pointer was lost, to look for the target's next tokens near it."""
+
+    source: int
+    pos: int  # the source position the target left
+    context_len: int  # the context's length then
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A learnt substitution: where the source says `span`, the target writes `replacement`."""
+
+    span: tuple[int, ...]
+    replacement: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RuleInUse:
+    """A substitution the pointer is following, from raw source position `start`."""
+
+    start: int
+    rule: Rule
+
+
+@dataclass(frozen=True)
+class CopyOutcome:
+    """One token the target wrote while a copy was aligned: was it what the copy expected?"""
+
+    source: str  # "copy" or "prediction"
+    evidence: int  # tokens the alignment had held for
+    matched: bool
+
+
+class Substitutions:
+    """The learnt substitutions by the first token of their span, the longest span first."""
+
+    def __init__(self) -> None:
+        self.table: dict[int, list[Rule]] = {}
+
+    def match(self, tokens: list[int], i: int) -> Rule | None:
+        """The rule whose span `tokens` has at position i, if any."""
+        for rule in self.table.get(tokens[i], ()):
+            if tuple(tokens[i : i + len(rule.span)]) == rule.span:
+                return rule
+        return None
+
+    def add(self, rule: Rule) -> None:
+        self.forget(rule.span)
+        rules = self.table.setdefault(rule.span[0], [])
+        rules.append(rule)
+        rules.sort(key=lambda r: -len(r.span))  # the longest span wins
+
+    def forget(self, span: tuple[int, ...]) -> None:
+        self.table[span[0]] = [r for r in self.table.get(span[0], []) if r.span != span]
+
+    def clear(self) -> None:
+        self.table.clear()
 
 
 class NgramIndex:
@@ -154,15 +221,15 @@ class CopyDrafter:
         self.max_tokens = max_tokens
         self.sources: tuple[list[int], list[int]] = ([], [])  # the context followed so far, the prediction
         self.indexes = (NgramIndex(sizes), NgramIndex(sizes))
-        self.rules: dict[int, list[tuple[tuple, tuple]]] = {}  # first source token -> (source span, replacement)
-        self._outcomes: list[tuple[str, int, bool]] = []
+        self.rules = Substitutions()
+        self._outcomes: list[CopyOutcome] = []
         self._reset_alignment()
 
     def _reset_alignment(self) -> None:
-        self.ptr: tuple[int, int] | None = None  # (source, position of the next raw source token)
-        self.pending: list[int] = []  # a substitution's tokens still expected before source[ptr]
-        self.rule_at: tuple[int, tuple, tuple] | None = None  # (raw position, span, replacement) being followed
-        self.gap: tuple[int, int, int] | None = None  # (source, position, context length) where the pointer was lost
+        self.ptr: Pointer | None = None
+        self.pending: list[int] = []  # a substitution's tokens still expected before the pointer's token
+        self.rule_at: RuleInUse | None = None  # the substitution being followed
+        self.gap: Gap | None = None  # where the pointer was lost
         self.lost_evidence = 0  # how long the alignment had held when it was lost
         self.evidence = 0
         self.prediction_pos = 0  # how far into the prediction the target has followed
@@ -181,7 +248,7 @@ class CopyDrafter:
         self.rules.clear()
         self._outcomes.clear()
         if self.sources[PREDICTION]:  # the client says the answer will largely repeat it
-            self.ptr = (PREDICTION, 0)
+            self.ptr = Pointer(PREDICTION, 0)
 
     def draft(self, context, n, params=None, rng=None, stop_below=(), grammar=None) -> Draft:
         self._follow(context)
@@ -189,7 +256,7 @@ class CopyDrafter:
             self._anchor()
         if self.ptr is None:
             return Draft([], None, source=SOURCE_NAMES[CONTEXT])
-        return Draft(self._expected(min(n, self.max_tokens)), None, source=SOURCE_NAMES[self.ptr[0]])
+        return Draft(self._expected(min(n, self.max_tokens)), None, source=SOURCE_NAMES[self.ptr.source])
 
     # --- following the target ---------------------------------------------------
     def _follow(self, context: list[int]) -> None:
@@ -205,34 +272,34 @@ class CopyDrafter:
                 self._step(token)
         self.indexes[CONTEXT].extend(seen)
 
-    def take_outcomes(self) -> list[tuple[str, int, bool]]:
-        """(source, evidence, whether the target wrote what the copy expected) for each
-        token followed since the last call: the copy's acceptance rate, measured free."""
+    def take_outcomes(self) -> list[CopyOutcome]:
+        """What the copy expected of each token followed since the last call, against what
+        the target wrote: the copy's acceptance rate, measured free."""
         outcomes, self._outcomes = self._outcomes, []
         return outcomes
 
     def _step(self, token: int) -> None:
         expected = self._peek()
-        self._outcomes.append((SOURCE_NAMES[self.ptr[0]], self.evidence, expected == token))
+        self._outcomes.append(CopyOutcome(SOURCE_NAMES[self.ptr.source], self.evidence, expected == token))
         if expected == token:
             if self.pending:
                 self.pending.pop(0)
             else:
-                self.ptr = (self.ptr[0], self.ptr[1] + 1)
+                self.ptr = Pointer(self.ptr.source, self.ptr.pos + 1)
             self.evidence += 1
-            if self.ptr[0] == PREDICTION:
-                self.prediction_pos = max(self.prediction_pos, self.ptr[1])
+            if self.ptr.source == PREDICTION:
+                self.prediction_pos = max(self.prediction_pos, self.ptr.pos)
             return
-        source, i = self.ptr
-        if self.pending and len(self.pending) == len(self.rule_at[2]):  # a substitution, not begun
-            start, span, _ = self.rule_at
+        source = self.ptr.source
+        if self.pending and len(self.pending) == len(self.rule_at.rule.replacement):  # a substitution, not begun
+            start = self.rule_at.start
             if self.sources[source][start] == token:  # the substitution was wrong here: forget it, copy as is
-                self._forget(span)
-                self.ptr, self.pending = (source, start + 1), []
+                self.rules.forget(self.rule_at.rule.span)
+                self.ptr, self.pending = Pointer(source, start + 1), []
                 self.evidence += 1
                 return
-        lost_at = self.rule_at[0] if self.pending else i
-        self.gap = (source, lost_at, len(self.sources[CONTEXT]) - 1)
+        lost_at = self.rule_at.start if self.pending else self.ptr.pos
+        self.gap = Gap(source, lost_at, len(self.sources[CONTEXT]) - 1)
         # the client said the answer repeats the prediction: once lost there, always look nearby
         self.lost_evidence = max(self.evidence, MIN_LOST if source == PREDICTION else 0)
         self.ptr, self.pending, self.rule_at, self.evidence = None, [], None, 0
@@ -241,50 +308,36 @@ class CopyDrafter:
         """The next token the source (with substitutions) expects; starts a substitution if one applies."""
         if self.pending:
             return self.pending[0]
-        source, i = self.ptr
+        source, i = self.ptr.source, self.ptr.pos
         tokens = self.sources[source]
-        while i < len(tokens) and (rule := self._match_rule(tokens, i)):
-            span, replacement = rule
-            self.rule_at, i = (i, span, replacement), i + len(span)
-            self.ptr = (source, i)
-            if replacement:
-                self.pending = list(replacement)
+        while i < len(tokens) and (rule := self.rules.match(tokens, i)):
+            self.rule_at, i = RuleInUse(i, rule), i + len(rule.span)
+            self.ptr = Pointer(source, i)
+            if rule.replacement:
+                self.pending = list(rule.replacement)
                 return self.pending[0]
         return tokens[i] if i < len(tokens) else None
 
     def _expected(self, n: int) -> list[int]:
         """Up to n tokens the source expects next, substitutions applied."""
         out = self.pending[:n]
-        source, i = self.ptr
-        tokens = self.sources[source]
+        tokens, i = self.sources[self.ptr.source], self.ptr.pos
         while len(out) < n and i < len(tokens):
-            if rule := self._match_rule(tokens, i):
-                out.extend(rule[1])
-                i += len(rule[0])
+            if rule := self.rules.match(tokens, i):
+                out.extend(rule.replacement)
+                i += len(rule.span)
             else:
                 out.append(tokens[i])
                 i += 1
         return out[:n]
 
     # --- substitutions ----------------------------------------------------------
-    def _match_rule(self, tokens: list[int], i: int) -> tuple[tuple, tuple] | None:
-        for span, replacement in self.rules.get(tokens[i], ()):
-            if tuple(tokens[i : i + len(span)]) == span:
-                return span, replacement
-        return None
-
     def _learn(self, span: list[int], replacement: list[int]) -> None:
         if not (0 < len(span) <= MAX_RULE[0] and len(replacement) <= MAX_RULE[1] and span != replacement):
             return
-        self._add_rule(tuple(span), tuple(replacement))
+        self.rules.add(Rule(tuple(span), tuple(replacement)))
         if self.vocab is not None:
             self._generalise(span, replacement)
-
-    def _add_rule(self, span: tuple, replacement: tuple) -> None:
-        self._forget(span)
-        rules = self.rules.setdefault(span[0], [])
-        rules.append((span, replacement))
-        rules.sort(key=lambda r: -len(r[0]))  # the longest span wins
 
     def _generalise(self, span: list[int], replacement: list[int]) -> None:
         """A renamed word is renamed in every token it appears in: ` items` -> ` records` also
@@ -304,23 +357,20 @@ class CopyDrafter:
             for a, b in variants.items():
                 renamed = renamed.replace(a, b)
             if renamed != text and (token,) != tuple(span):
-                self._add_rule((token,), tuple(self.vocab.tokenize(renamed, add_special=False)))
-
-    def _forget(self, span: tuple) -> None:
-        rules = [r for r in self.rules.get(span[0], []) if r[0] != span]
-        self.rules[span[0]] = rules
+                self.rules.add(Rule((token,), tuple(self.vocab.tokenize(renamed, add_special=False))))
 
     # --- anchoring ----------------------------------------------------------------
     def _anchor(self) -> None:
         """Point into a source again: near where the pointer was lost, else anywhere."""
         context = self.sources[CONTEXT]
         gap = self.gap
-        if gap and self.lost_evidence >= MIN_LOST and len(context) - gap[2] <= LOCAL_SPAN:
-            if self._anchor_near(*gap) or gap[0] == PREDICTION:
+        if gap and self.lost_evidence >= MIN_LOST and len(context) - gap.context_len <= LOCAL_SPAN:
+            if self._anchor_near(gap) or gap.source == PREDICTION:
                 return  # lost in the prediction, the answer is expected back there soon: wait for it
         self._anchor_anywhere()
 
-    def _anchor_near(self, source: int, lost_at: int, lost_len: int) -> bool:
+    def _anchor_near(self, gap: Gap) -> bool:
+        source, lost_at, lost_len = gap.source, gap.pos, gap.context_len
         context, tokens = self.sources[CONTEXT], self.sources[source]
         for k, reach in LOCAL_REACH:
             if k > len(context):
@@ -337,7 +387,7 @@ class CopyDrafter:
                     # a long alignment found again just past a small edit still counts (all of
                     # it in a prediction: the client said the answer repeats it)
                     keeps = 1.0 if source == PREDICTION else REANCHOR_KEEPS
-                    self.ptr, self.evidence = (source, q), max(k, int(self.lost_evidence * keeps))
+                    self.ptr, self.evidence = Pointer(source, q), max(k, int(self.lost_evidence * keeps))
                     return True
         return False
 
@@ -351,10 +401,10 @@ class CopyDrafter:
             key = tuple(context[-n:])
             if found := self.indexes[PREDICTION].tables[n].get(key):
                 q = next((q for q in found if q >= self.prediction_pos), found[-1])
-                self.ptr, self.evidence = (PREDICTION, q), n
+                self.ptr, self.evidence = Pointer(PREDICTION, q), n
                 return
             if found := self.indexes[CONTEXT].tables[n].get(key):
-                self.ptr, self.evidence = (CONTEXT, found[-1]), n
+                self.ptr, self.evidence = Pointer(CONTEXT, found[-1]), n
                 return
 
 
