@@ -310,7 +310,7 @@ class Controller:
         rate = expected_tokens(acceptance.sample(self._rng), gamma) / self.cost(source, gamma)
         return Plan(rate, source, gamma, key=key, expected_rate=expected)
 
-    def _free_plan(self, draft: Draft, key: str, evidence: int, cut_short: bool) -> Plan:
+    def _free_plan(self, draft: Draft, key: AcceptanceKey, evidence: int, cut_short: bool) -> Plan:
         """The plan for a free draft (a copy, forced text): as much of it as is worth verifying."""
         n = len(draft.tokens)
         gammas = [n] if self.gamma else self._gammas(n, cut_short)

@@ -241,12 +241,16 @@ class ApiRequest:
 
 def _constraint(body: dict) -> tuple[dict | None, str | None]:
     """(json_schema, grammar) the answer must match: OpenAI's response_format, or
-    llama-server's `json_schema` (a schema) and `grammar` (GBNF text) fields;
-    Engine.stream checks and compiles them."""
-    json_schema = None
-    response_format = body.get("response_format")
+    llama-server's `json_schema` (a schema) and `grammar` (GBNF text) fields, at most one
+    of them; Engine.stream checks and compiles them."""
+    response_format, json_schema = body.get("response_format"), body.get("json_schema")
+    if json_schema is not None and not isinstance(json_schema, dict):
+        raise ApiError(400, "'json_schema' must be an object (a JSON schema)", "json_schema")
+    grammar = _get(body, "grammar", (str,))
     kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if response_format is not None:
+    if response_format is not None and kind != "text":
+        if json_schema is not None or grammar is not None:
+            raise ApiError(400, "give one of response_format, json_schema and grammar", "response_format")
         if kind == "json_object":
             json_schema = {"type": "object"}
         elif kind == "json_schema":
@@ -254,15 +258,11 @@ def _constraint(body: dict) -> tuple[dict | None, str | None]:
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise ApiError(400, "'response_format.json_schema.schema' must be an object", "response_format")
             json_schema = spec["schema"]
-        elif kind != "text":
+        else:
             raise ApiError(400, "'response_format.type' must be text, json_object or json_schema", "response_format")
-    if body.get("json_schema") is not None and not isinstance(body["json_schema"], dict):
-        raise ApiError(400, "'json_schema' must be an object (a JSON schema)", "json_schema")
-    grammar = _get(body, "grammar", (str,))
-    given = [json_schema, body.get("json_schema"), grammar]
-    if sum(x is not None for x in given) > 1:
-        raise ApiError(400, "give one of response_format, json_schema and grammar", "response_format")
-    return json_schema or body.get("json_schema"), grammar
+    if json_schema is not None and grammar is not None:
+        raise ApiError(400, "give one of response_format, json_schema and grammar", "grammar")
+    return json_schema, grammar
 
 
 # --- the worker ---------------------------------------------------------------------
