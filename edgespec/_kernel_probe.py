@@ -26,6 +26,7 @@ def main(path: str, repack: bool, n_threads: int, n_gpu_layers: int) -> None:
     for name, (k, all_logits) in PASSES.items():
         best = float("inf")
         for _ in range(TRIES):
+            model.checkpoint(k)
             start = perf_counter()
             model.eval([0] * k, all_logits=all_logits)
             best = min(best, perf_counter() - start)

@@ -90,7 +90,8 @@ def run_bench(
     draft_model = getattr(engine.drafter, "model", None)
     draft_curve = engine.cost_curve(draft_model, calibration.DRAFT_SIZES) if draft_model else None
     calibration_s = perf_counter() - start
-    engine.generate("Hello", temperature=0, max_tokens=8)  # warm-up: first decodes are slow
+    raw = engine.target.chat_template() is None  # a base model: the prompts as plain text
+    engine.generate("Hello", temperature=0, max_tokens=8, raw=raw)  # warm-up: first decodes are slow
     llama = _LlamaBaseline(engine) if llama_baseline else None
 
     rows = []
@@ -102,7 +103,7 @@ def run_bench(
             for mode in class_modes if r % 2 == 0 else class_modes[::-1]:  # alternate the order between repeats
                 engine.forget()  # every run evaluates its prompt afresh: prefill is timed too
                 if mode == "llama":
-                    runs[mode].append(llama.run(engine.prompt_tokens(prompt["text"]), max_tokens))
+                    runs[mode].append(llama.run(engine.prompt_tokens(prompt["text"], raw=raw), max_tokens))
                     continue
                 alone = mode in ("off", UNCONSTRAINED)
                 stats = engine.generate(
@@ -114,6 +115,7 @@ def run_bench(
                     gamma=fixed_gamma if mode == "model" else "auto",
                     prediction=prompt.get("prediction"),
                     json_schema=schema if mode != UNCONSTRAINED else None,
+                    raw=raw,
                 ).stats
                 runs[mode].append(stats)
                 log(
@@ -133,10 +135,23 @@ def run_bench(
         "calibration_s": calibration_s,
         "flash_attn": engine.target.flash_attn,
         "repack": engine.target.repack,
+        "raw_prompts": raw,
         "verify_cost_steps": {k: verify_curve(k) / verify_curve(1) for k in sorted(verify_curve.points)},
         "draft_step_cost": draft_curve(1) / verify_curve(1) if draft_curve else None,
+        "rollback": _rollback(engine, verify_curve),
         "prompts": rows,
     }
+
+
+def _rollback(engine: Engine, unit: calibration.CostCurve) -> dict:
+    """How each model's cache is cut back, and on a recurrent model what a checkpoint and a
+    restore cost here, in target steps (after a rejection the kept tokens are evaluated again too)."""
+    report = {"kind": engine.target.rollback.value, "snapshots": engine.target.n_snapshots}
+    for role, model in (("target", engine.target), ("draft", getattr(engine.drafter, "model", None))):
+        if model is not None and (cost := engine.rollback_cost(model)) is not None:
+            steps = {"checkpoint": cost.checkpoint_s / unit(1), "restore": cost.restore_s / unit(1)}
+            report[f"{role}_steps"] = steps
+    return report
 
 
 def _ceiling(curve: calibration.CostCurve) -> dict:
@@ -232,6 +247,7 @@ def print_report(report: dict) -> None:
         f"target {report['target']}  draft {report['draft']}  threads {report['n_threads']}  "
         f"{report['max_tokens']} tokens x {report['repeats']} repeats, greedy; model mode gamma "
         f"{report['model_gamma']}, other modes gamma auto"
+        + ("; no chat template: prompts sent as plain text" if report["raw_prompts"] else "")
     )
     curve = report["verify_cost_steps"]
     print(
@@ -241,6 +257,15 @@ def print_report(report: dict) -> None:
     )
     if report["draft_step_cost"] is not None:
         print(f"draft step: {report['draft_step_cost']:.2f} target steps")
+    rollback = report["rollback"]
+    if rollback["kind"] != "truncate":
+        line = f"rollback: {rollback['kind']}"
+        if rollback["snapshots"]:
+            line += f" (a pass cut back by up to {rollback['snapshots']} tokens for free, longer by checkpoint)"
+        for role in ("target", "draft"):
+            if steps := rollback.get(f"{role}_steps"):
+                line += f"; {role} checkpoint {steps['checkpoint']:.2f}, restore {steps['restore']:.2f} target steps"
+        print(line + "; a rejection also evaluates the kept tokens again")
     print(
         f"{'prompt':<15}{'mode':<7}{'tok/s':>8}{'vs off':>9}{'prefill':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
         f"{'E[n]':>7}  rounds"

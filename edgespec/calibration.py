@@ -24,8 +24,8 @@ from time import perf_counter
 import llama_cpp
 
 from . import store
-from .cost_curve import CostCurve, pass_bound
-from .model import Model
+from .cost_curve import CostCurve, RollbackCost, pass_bound
+from .model import Model, Rollback
 
 TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes measured for a target
 DRAFT_SIZES = (1, 2)  # a draft model decodes one token per step (two after a fully accepted round)
@@ -39,6 +39,7 @@ FLASH_PROBE_SIZES = (1, 16)  # decode and a verify pass, timed with flash attent
 # depth 16, 10% slower at 400, 20% at 800), and a deep cache costs seconds per setting to fill.
 # So at the probe's shallow depth it must be ahead on both kinds of pass by this margin.
 FLASH_MARGIN = 0.02
+ROLLBACK_TRIES = 3  # checkpoints and restores timed (the fastest counts)
 
 
 # --- the cache --------------------------------------------------------------------
@@ -65,6 +66,7 @@ def _time(model: Model, k: int, tries: int) -> float:
     re-check); an empty cache first gets a short dummy prefix."""
     if not model.tokens:
         model.eval([0] * PROBE_DEPTH)
+        model.checkpoint(1)
         model.eval([0], all_logits=True)  # warm-up: first decodes allocate
         model.truncate(PROBE_DEPTH)
     base = len(model.tokens)
@@ -72,6 +74,7 @@ def _time(model: Model, k: int, tries: int) -> float:
         return float("nan")
     best = float("inf")
     for _ in range(tries):
+        model.checkpoint(k)  # (a recurrent state: timed apart, see measure_rollback)
         start = perf_counter()
         model.eval(model.tokens[-1:] * k, all_logits=True)
         best = min(best, perf_counter() - start)
@@ -120,6 +123,43 @@ def load_or_measure(model: Model, sizes=TARGET_SIZES) -> CostCurve:
     curve = measure(model, sizes)
     save(model, sizes, curve)
     return curve
+
+
+def load_or_measure_rollback(model: Model) -> RollbackCost | None:
+    """What cutting `model`'s state back costs here (cached per machine and model file), or
+    None where the cache is simply cut (attention alone)."""
+    if model.rollback is Rollback.TRUNCATE:
+        return None
+    key = f"{_setup(model)}|fa={int(model.flash_attn)}|rollback={model.rollback.value}:{model.n_snapshots}"
+    cached = store.read().get(key)
+    if cached:
+        try:
+            return RollbackCost.from_json(cached)
+        except (KeyError, TypeError, ValueError):
+            pass
+    cost = measure_rollback(model)
+    store.write(key, cost.to_json())
+    return cost
+
+
+def measure_rollback(model: Model) -> RollbackCost:
+    """Time a checkpoint of the recurrent state and its restore after a one-token pass, on
+    top of what the cache holds (left as it was). Nothing here assumes that a partial
+    removal works: the restore is the way back that model.truncate takes without snapshots."""
+    if len(model.tokens) < PROBE_DEPTH:
+        model.truncate(0)
+        model.eval([0] * PROBE_DEPTH)
+    base = len(model.tokens)
+    saves, restores = [], []
+    for _ in range(ROLLBACK_TRIES):
+        start = perf_counter()
+        model.checkpoint()
+        saves.append(perf_counter() - start)
+        model.eval(model.tokens[-1:])
+        start = perf_counter()
+        model.truncate(base)
+        restores.append(perf_counter() - start)
+    return RollbackCost(min(saves), min(restores), model.n_snapshots)
 
 
 def save(model: Model, sizes, curve: CostCurve) -> None:

@@ -48,6 +48,19 @@ def render(
     return answer["text"]
 
 
+SAMPLE = [{"role": "user", "content": "hi"}]  # the shortest of conversations: a template's own cost
+SAMPLE_MAX_CHARS = 1 << 20
+
+
+def validate_template(template: str) -> None:
+    """Render a short conversation, so that a template that escapes, hangs or exhausts memory
+    fails (EdgespecError) before a model is loaded and timed, not at the first request."""
+    try:
+        render(template, SAMPLE, max_chars=SAMPLE_MAX_CHARS)
+    except PromptTooLong:
+        pass  # a template that only blows up the user's text: refused per request, with its size
+
+
 class PromptTooLong(Exception):
     """The rendered prompt has more characters than the context could hold tokens."""
 

@@ -77,6 +77,7 @@ def _load(args: argparse.Namespace):
         n_gpu_layers=args.gpu_layers,
         cache_ram=getattr(args, "cache_ram", DEFAULT_CACHE_RAM_MIB),
         offline=args.offline,
+        check_template=args.command in ("generate", "bench") and not getattr(args, "raw", False),
     )
 
 

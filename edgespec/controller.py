@@ -1,11 +1,13 @@
 """Before each round, choose the drafter and draft length that maximise the
 expected tokens per second, or no draft at all.
 
-    rate(drafter, γ) = E[n](α, γ) / (draft_cost(γ) + V(γ+1)),  E[n] = (1 - α^(γ+1)) / (1 - α)
+    rate(drafter, γ) = E[n](α, γ) / (draft_cost(γ) + V(γ+1) + R(γ, α)),  E[n] = (1 - α^(γ+1)) / (1 - α)
     rate(off)        = 1 / V(1)
 
 V(k) is the measured cost of one target pass over k tokens (calibration.py), the
-draft cost is γ draft-model steps (a copy costs nothing) and α is each
+draft cost is γ draft-model steps (a copy costs nothing), R is what cutting back a
+recurrent state costs (0 for attention alone; cost_curve.RollbackCost: a checkpoint,
+and after a rejection a restore and the kept tokens again), and α is each
 drafter's acceptance rate, learnt online in this request. Each kind of round's cost
 is also checked against the seconds it really took (LiveCost): the curve is timed now
 and then, the rounds' real rates are the truest cost there is, so a drafter whose
@@ -28,12 +30,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from .calibration import CostCurve
+from .cost_curve import RollbackCost, expected_tokens
 from .drafters import SOURCE_NAMES as COPY_SOURCES
 from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter
 from .errors import EdgespecError
 from .grammar import Grammar
 from .prompt_cache import common_prefix
 from .sampling import SamplingParams
+from .stats import RoundTiming
 
 MODES = ("auto", "model", "copy", "hybrid", "off")
 # the drafters each mode may draw on; a controller keeps only those that exist, so a plan
@@ -84,11 +88,6 @@ class ForcedText:
         written = context[self.at : self.at + len(self.tokens)]
         agreed = common_prefix(self.tokens, written, len(written))
         return agreed, agreed + (agreed < len(written))
-
-
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """E[tokens/round] = (1 - α^(γ+1)) / (1 - α): accepted drafts plus the one the target adds."""
-    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
 MODEL_MODES = ("model", "hybrid")  # the modes that need a draft model
@@ -209,6 +208,7 @@ class Plan:
     draft: Draft | None = None  # a copy draft is made while planning (it is free)
     key: AcceptanceKey = ""  # whose acceptance rate
     expected_rate: float | None = None  # under the posterior mean of α (default: rate)
+    alpha: float = 1.0  # the posterior mean of α the plan was made with
 
     def __post_init__(self) -> None:
         if self.expected_rate is None:
@@ -232,11 +232,16 @@ class Controller:
         model: Drafter | None,
         copy: CopyDrafter,
         forced: GrammarDrafter | None = None,
+        verify_rollback: RollbackCost | None = None,
+        draft_rollback: RollbackCost | None = None,
     ) -> None:
+        """verify_rollback, draft_rollback: what cutting back the target's and the draft
+        model's recurrent states costs (None: attention alone, a cut is free)."""
         check_mode(mode, has_model=model is not None)
         self.mode, self.gamma = mode, gamma
         self.adaptive = mode == "auto" or gamma is None
         self.V, self.draft_step = verify_cost, draft_step_cost
+        self.verify_rollback, self.draft_rollback = verify_rollback, draft_rollback
         available = {"model": model, "copy": copy, "grammar": forced}
         # the drafters this controller may plan for: only those the mode allows and that exist
         self.drafters = {s: available[s] for s in MODE_SOURCES[mode] if available[s] is not None}
@@ -255,7 +260,9 @@ class Controller:
 
     def _model_can_pay(self, alpha: float) -> bool:
         gammas = range(1, MAX_MODEL_GAMMA + 1)
-        return any(expected_tokens(alpha, g) / self.model_cost(g) > (1 + MIN_GAIN) * self.off_rate() for g in gammas)
+        return any(
+            expected_tokens(alpha, g) / self.model_cost(g, alpha) > (1 + MIN_GAIN) * self.off_rate() for g in gammas
+        )
 
     def costs_look_stale(self) -> bool:
         """Whether this request's rounds ran far faster than the cost curves say (STALE_RATIO)."""
@@ -265,9 +272,18 @@ class Controller:
     def off_rate(self) -> float:
         return 1.0 / self.V(1)
 
-    def model_cost(self, gamma: int) -> float:
+    def model_cost(self, gamma: int, alpha: float) -> float:
         step = self.draft_step(1) if self.draft_step else 0.0
-        return gamma * step + self.V(gamma + 1)
+        cost = gamma * step + self.verify_cost(gamma, alpha)
+        if self.draft_rollback is not None:  # after a rejection at i its next pass takes the i kept tokens too
+            cost += self.draft_rollback.expected(gamma, alpha, lambda k: (k - 1) * step)
+        return cost
+
+    def verify_cost(self, gamma: int, alpha: float) -> float:
+        """A verify pass over γ drafts and the token before them, with the rollback it may need."""
+        if self.verify_rollback is None or gamma == 0:
+            return self.V(gamma + 1)
+        return self.V(gamma + 1) + self.verify_rollback.expected(gamma, alpha, self.V)
 
     def acceptance_of(self, key: AcceptanceKey) -> Acceptance:
         """The acceptance rate learnt for `key` (from its prior, if nothing yet)."""
@@ -275,14 +291,24 @@ class Controller:
             self.acceptance[key] = Acceptance(prior_alpha(key))
         return self.acceptance[key]
 
-    def cost(self, source: str, gamma: int) -> float:
-        """Expected seconds of a round: a copy is free, a model draft is not; as its kind of
-        round has really been running in this request (LiveCost)."""
-        return self.planned_cost(source, gamma) * self._live(source).ratio_toward(self._live("all").ratio)
+    def cost(self, source: str, gamma: int, alpha: float = 1.0) -> float:
+        """Expected seconds of a round whose drafts are accepted at rate alpha: a copy is free,
+        a model draft is not; as its kind of round has really been running in this request (LiveCost)."""
+        return self.planned_cost(source, gamma, alpha) * self._live(source).ratio_toward(self._live("all").ratio)
 
-    def planned_cost(self, source: str, gamma: int) -> float:
-        """A round's seconds by the cost curves alone."""
-        return self.model_cost(gamma) if source == "model" else self.V(gamma + 1)
+    def planned_cost(self, source: str, gamma: int, alpha: float = 1.0) -> float:
+        """A round's expected seconds by the cost curves alone."""
+        return self.model_cost(gamma, alpha) if source == "model" else self.verify_cost(gamma, alpha)
+
+    def round_cost(self, source: str, gamma: int, accepted: int) -> float:
+        """What a finished round should have cost by the curves, given what it kept."""
+        step = self.draft_step(1) if source == "model" and self.draft_step else 0.0
+        cost = gamma * step + self.V(gamma + 1)
+        if self.verify_rollback is not None and gamma:
+            cost += self.verify_rollback.of_round(gamma, accepted, self.V)
+        if self.draft_rollback is not None and source == "model" and gamma:
+            cost += self.draft_rollback.of_round(gamma, accepted, lambda k: (k - 1) * step)
+        return cost
 
     def _live(self, source: str) -> LiveCost:
         return self.live.setdefault(source, LiveCost())
@@ -304,11 +330,13 @@ class Controller:
         # may only grow with the tokens this drafter has had accepted lately (or, for a copy,
         # with the tokens its alignment has held for)
         gammas = [g for g in gammas if g <= SLOW_START + 4 * max(acceptance.accepted, evidence)] or [min(gammas)]
-        expected, gamma = max((expected_tokens(acceptance.alpha, g) / self.cost(source, g), g) for g in gammas)
+        alpha = acceptance.alpha
+        expected, gamma = max((expected_tokens(alpha, g) / self.cost(source, g, alpha), g) for g in gammas)
         if source != "model":  # a copy needs no exploring: its evidence grows for free while the target agrees
-            return Plan(expected, source, gamma, key=key)
-        rate = expected_tokens(acceptance.sample(self._rng), gamma) / self.cost(source, gamma)
-        return Plan(rate, source, gamma, key=key, expected_rate=expected)
+            return Plan(expected, source, gamma, key=key, alpha=alpha)
+        drawn = acceptance.sample(self._rng)
+        rate = expected_tokens(drawn, gamma) / self.cost(source, gamma, drawn)
+        return Plan(rate, source, gamma, key=key, expected_rate=expected, alpha=alpha)
 
     def _free_plan(self, draft: Draft, key: AcceptanceKey, evidence: int, cut_short: bool) -> Plan:
         """The plan for a free draft (a copy, forced text): as much of it as is worth verifying."""
@@ -382,13 +410,13 @@ class Controller:
             stop_below = [plan.rate * (step + self.V(i + 2) - self.V(i + 1)) for i in range(plan.gamma)]
         return self.drafters[plan.source].draft(context, plan.gamma, params, rng, stop_below, grammar=grammar)
 
-    def observe(self, draft: Draft, n_accepted: int, draft_s: float, verify_s: float, plan: Plan | None = None) -> None:
+    def observe(self, draft: Draft, n_accepted: int, timing: RoundTiming, plan: Plan | None = None) -> None:
         """Learn from a finished round, drafted by `plan` (default: the last one propose()
         made): acceptance and the real costs."""
         plan = plan or self.last
         if self.V is not None and plan.rate > 0:  # on the costs the plan was made with; in
             # steps, so the machine's drift is no part of the prediction (a round without a draft: 1 for 1)
-            seconds = self.cost(plan.source, plan.gamma)
+            seconds = self.cost(plan.source, plan.gamma, plan.alpha)
             self.predicted.tokens += plan.expected_rate * seconds
             self.predicted.steps += seconds / self.cost("off", 0)
         for learnt in (*self.acceptance.values(), *self.live.values()):
@@ -396,12 +424,12 @@ class Controller:
         if draft.tokens and draft.source not in FREE_SOURCES:  # free drafts learn from every round (plan())
             self.acceptance_of(plan.key).observe(n_accepted, len(draft.tokens))
         if self.V is not None:
-            planned = self.planned_cost(draft.source, len(draft.tokens))
+            planned = self.round_cost(draft.source, len(draft.tokens), n_accepted)
             for kind in (draft.source, "all"):
-                self._live(kind).observe(draft_s + verify_s, planned)
-            self.V.observe(len(draft.tokens) + 1, verify_s)
+                self._live(kind).observe(timing.total, planned)
+            self.V.observe(len(draft.tokens) + 1, timing.verify)
             if draft.source == "model" and draft.tokens and self.draft_step is not None:
-                self.draft_step.observe(1, draft_s / len(draft.tokens))
+                self.draft_step.observe(1, timing.draft / len(draft.tokens))
 
     def alphas(self) -> dict[str, float]:
         """The acceptance rate learnt per drafter (and per copy evidence level), for Stats."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -106,6 +108,44 @@ class CostCurve:
             {int(k): float(v) for k, v in data["points"].items()},
             {int(k): float(v) for k, v in data["checked"].items()},
         )
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E[tokens/round] = (1 - α^(γ+1)) / (1 - α): accepted drafts plus the one the target adds."""
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+@dataclass(frozen=True)
+class RollbackCost:
+    """What a round costs beyond its passes on a model whose recurrent state cannot be cut
+    back (model.Rollback): a checkpoint before the pass, and after a rejection a restore and
+    the kept tokens evaluated again. Passes of up to `snapshots` + 1 tokens need neither
+    (llama.cpp's snapshots; a draft model has none). Measured by calibration.measure_rollback."""
+
+    checkpoint_s: float
+    restore_s: float
+    snapshots: int = 0
+
+    def of_round(self, gamma: int, accepted: int, V: Callable[[int], float]) -> float:
+        """The extra seconds of a round that verified `gamma` draft tokens and kept `accepted`."""
+        if gamma <= self.snapshots:
+            return 0.0
+        return self.checkpoint_s + (self.restore_s + V(accepted + 1) if accepted < gamma else 0.0)
+
+    def expected(self, gamma: int, alpha: float, V: Callable[[int], float]) -> float:
+        """of_round's expectation when each draft token is accepted with probability alpha
+        (the first rejection at token i has probability alpha^i (1 - alpha))."""
+        if gamma <= self.snapshots:
+            return 0.0
+        rejected = sum(alpha**i * (1 - alpha) * (self.restore_s + V(i + 1)) for i in range(gamma))
+        return self.checkpoint_s + rejected
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> RollbackCost:
+        return cls(float(data["checkpoint_s"]), float(data["restore_s"]), int(data["snapshots"]))
 
 
 def pass_bound(k: int, step: float) -> float:

@@ -78,6 +78,7 @@ class ModelDrafter:
         # the cache may hold rejected drafts from the last round: keep only the agreed prefix
         kept = model.sync(context)
         logits = model.eval(context[kept:])
+        model.checkpoint()  # a recurrent state: the next round's sync comes back here
         tokens: list[int] = []
         q_rows = None if params.greedy else np.zeros((n, self.target_vocab))  # padded to the target's vocab
         p_all = 1.0  # the draft's own estimate that every token so far is accepted

@@ -12,6 +12,7 @@ import numpy as np
 from . import calibration
 from .chat import Message, PromptTooLong, render
 from .controller import Controller, check_mode, draft_modes
+from .cost_curve import RollbackCost
 from .drafters import CopyDrafter, Drafter, GrammarDrafter
 from .errors import EdgespecError
 from .grammar import Grammar, grammar_text
@@ -26,7 +27,7 @@ from .sampling import (
     verify,
     verify_greedy,
 )
-from .stats import Stats
+from .stats import RoundTiming, Stats
 from .text import TextStream
 from .tools import CLOSE, ToolCall, ToolCallParser, ToolChoice, call_grammar, prepare, tool_choice_of
 
@@ -104,6 +105,7 @@ class Engine:
         self.draft_mode = draft_mode
         self._owned = [target] if owned is None else list(owned)
         self._costs: dict[tuple, calibration.CostCurve] = {}
+        self._rollback_costs: dict[Model, RollbackCost | None] = {}
         # seconds of answering since the last cost re-check, less what re-checks cost / RECHECK_SHARE:
         # many short answers must not each pay for one
         self._recheck_credit = 0.0
@@ -134,6 +136,12 @@ class Engine:
         if (model, sizes) not in self._costs:
             self._costs[model, sizes] = calibration.load_or_measure(model, sizes)
         return self._costs[model, sizes]
+
+    def rollback_cost(self, model: Model) -> RollbackCost | None:
+        """What cutting `model`'s recurrent state back costs here (None: attention alone): cached, else measured now."""
+        if model not in self._rollback_costs:
+            self._rollback_costs[model] = calibration.load_or_measure_rollback(model)
+        return self._rollback_costs[model]
 
     # --- public API -------------------------------------------------------
     def stream(
@@ -266,7 +274,8 @@ class Engine:
         draft_model = getattr(self.drafter, "model", None)
         verify_cost = self.cost_curve(self.target) if adaptive else None
         draft_cost = self.cost_curve(draft_model, calibration.DRAFT_SIZES) if adaptive and draft_model else None
-        return Controller(mode, gamma, verify_cost, draft_cost, self.drafter, self.copy, self.forced)
+        rollbacks = [self.rollback_cost(m) if adaptive and m else None for m in (self.target, draft_model)]
+        return Controller(mode, gamma, verify_cost, draft_cost, self.drafter, self.copy, self.forced, *rollbacks)
 
     def forget(self) -> None:
         """Empty the KV caches and the saved prompts: the next prompt is evaluated from
@@ -301,9 +310,13 @@ class Engine:
             n_prompt=len(prompt),
             flash_attn=target.flash_attn,
             repack=target.repack,
+            rollback=target.rollback.value,
         )
         if controller.V is not None:
             stats.baseline_tokens_per_s = controller.off_rate()
+            if (rollback := controller.verify_rollback) is not None:
+                stats.checkpoint_steps = rollback.checkpoint_s / controller.V(1)
+                stats.restore_steps = rollback.restore_s / controller.V(1)
         # the answer's randomness is a function of the seed and each token's position (see
         # sampling.position_uniforms); drafts from the model draw from a stream of their own
         seed = secrets.randbits(63) if params.seed is None else params.seed
@@ -376,6 +389,11 @@ def speculative_decode(
         draft = controller.propose(seq, room, params, rng, grammar)
         t1 = perf_counter()
 
+        # a recurrent state cannot be cut back: keep a way back before a pass that may be rejected
+        if draft.tokens:
+            target.checkpoint(len(draft.tokens) + 1)
+        t_pass = perf_counter()
+
         # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i)
         rows = TargetRows(target.eval([seq[-1]] + draft.tokens, all_logits=True), params, grammar, draft.tokens)
         if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
@@ -384,15 +402,15 @@ def speculative_decode(
             uniforms = position_uniforms(seed, len(seq), len(draft.tokens) + 1)
             n, next_token = verify(draft.tokens, draft.q, rows.p, uniforms)
         rows.advance(n, next_token)
+        t2 = perf_counter()
 
         # drop the rejected drafts from the target's cache (the drafter trims its own)
         target.truncate(len(seq) + n)
         seq += draft.tokens[:n] + [next_token]
-        t2 = perf_counter()
-        controller.observe(draft, n, t1 - t0, t2 - t1)
-
+        timing = RoundTiming(draft=t1 - t0, verify=t2 - t_pass, rollback=(t_pass - t1) + (perf_counter() - t2))
+        controller.observe(draft, n, timing)
         stats.record_round(
-            draft.source, len(draft.tokens), n, t1 - t0, t2 - t1, controller.alphas(), controller.predicted.speedup
+            draft.source, len(draft.tokens), n, timing, controller.alphas(), controller.predicted.speedup
         )
         yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]
 

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .calibration import choose_flash_attn
+from .chat import validate_template
 from .controller import check_mode
 from .drafters import ModelDrafter
 from .engine import Engine, check_gamma
 from .errors import EdgespecError
-from .model import KV_MEMORY_SHARE, Model, check_gguf, compatibility_problem
+from .model import KV_MEMORY_SHARE, MAX_SNAPSHOTS, Model, check_gguf, compatibility_problem, header_chat_template
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .registry import cached_path, load_registry, pull, verify_cached
 
@@ -81,6 +82,7 @@ def load(
     cache_ram: int = DEFAULT_CACHE_RAM_MIB,
     offline: bool = False,
     progress: bool = True,
+    check_template: bool = False,
 ) -> Engine:
     """Load a target model and (optionally) a draft model into an Engine.
 
@@ -94,7 +96,10 @@ def load(
     Flash attention is on or off, whichever this machine runs faster (measured at load, once a day).
     n_gpu_layers offloads layers on Metal/CUDA builds. cache_ram: MiB of RAM for the KV
     states of earlier prompts (prompt_cache.py), so alternating conversations each pay only
-    for their new part; 0 keeps only the live one.
+    for their new part; 0 keeps only the live one. check_template: render the target's chat
+    template once (in the sandbox) before the models are loaded and timed, so that a hostile
+    one fails at once (the command line does, for chat prompts); otherwise it fails per request
+    and raw text still works.
     Raises EdgespecError with a one-sentence reason for bad input."""
     if gamma is not None and gamma != "auto":
         check_gamma(gamma)
@@ -110,13 +115,24 @@ def load(
     check_mode(draft_mode, has_model=draft is not None)
 
     paths = [resolve_model(m, offline=offline, progress=progress) for m in (target, draft) if m is not None]
+    if check_template and (template := header_chat_template(paths[0])) is not None:  # what fails cheaply fails first
+        validate_template(template)
     models: list[Model] = []
     try:
         share = KV_MEMORY_SHARE / len(paths)  # the draft's cache is usually the smaller: half each is safe
         for path in paths:
             size = models[0].n_ctx if models else n_ctx  # the draft follows the target
+            # a draft model decodes a token a pass: llama.cpp's snapshots of the last pass cannot cut its drafts back
+            snapshots = 0 if models else MAX_SNAPSHOTS
             models.append(
-                Model(path, n_ctx=size, n_threads=n_threads, n_gpu_layers=n_gpu_layers, kv_memory_share=share)
+                Model(
+                    path,
+                    n_ctx=size,
+                    n_threads=n_threads,
+                    n_gpu_layers=n_gpu_layers,
+                    kv_memory_share=share,
+                    snapshots=snapshots,
+                )
             )
         drafter = None
         if len(models) == 2:

@@ -1,15 +1,30 @@
 """A thin layer over llama.cpp's low-level API: one model, one context, one sequence.
 
-`Model.tokens` mirrors what the KV cache holds, so callers reason about the cache
+`Model.tokens` always equals what the cache holds, so callers reason about the cache
 as a token list: `sync()` keeps the longest common prefix with a new sequence,
-`eval()` appends, `truncate()` drops the tail (llama_memory_seq_rm).
+`eval()` appends, `truncate()` drops the tail, exactly, whatever the architecture.
+
+Attention caches keep one entry per token, so any tail can be dropped
+(llama_memory_seq_rm). Recurrent layers (Mamba, RWKV; and those of hybrids such as
+Qwen3.5, Granite 4-H, LFM2, Jamba, Nemotron-H) keep one running state, which llama.cpp
+cannot cut back, so the way back is chosen per context (Rollback):
+- SNAPSHOTS: llama.cpp keeps the state after each of the last n_rs_seq tokens of a
+  pass (llama_context_params.n_rs_seq, for some architectures), so a pass can be cut
+  back by up to that many tokens; probed at load, its logits compared with a fresh run.
+- CHECKPOINTS: elsewhere, `checkpoint()` copies the recurrent part of the state out
+  before a pass that may be cut back (llama_state_seq_get_data_ext, PARTIAL_ONLY); a cut
+  restores it, drops the attention tail and evaluates the kept tokens after it again.
+A cut that none of these covers starts from an empty cache. A refused removal, restore
+or decode is never ignored: the model recovers exactly or raises EdgespecError.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
@@ -23,6 +38,10 @@ from .prompt_cache import MIN_TOKENS, PromptCache, common_prefix
 GGUF_MAGIC = b"GGUF"
 KV_MEMORY_SHARE = 0.25  # a default context's KV caches (all models of an engine) take at most this share of memory
 MIN_DEFAULT_CTX = 2048  # ... but never less than this many tokens
+MAX_SNAPSHOTS = 64  # the longest draft a target verifies (a 64-token copy) is cut back by at most this much
+SNAPSHOT_MEMORY_SHARE = 0.05  # llama.cpp's recurrent snapshots take at most this share of memory
+PARTIAL_ONLY = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # a state's recurrent part alone
+SNAPSHOT_PROBE = (1, 2, 3, 4)  # tokens of the snapshot probe (any ids: it compares logits, not text)
 
 # llama.cpp logs model loading to stderr; keep the terminal for the answer.
 if not os.environ.get("EDGESPEC_VERBOSE"):
@@ -43,6 +62,46 @@ def check_gguf(path: str | os.PathLike) -> Path:
     return path
 
 
+def header_chat_template(path: Path) -> str | None:
+    """The chat template of a GGUF, read with its vocabulary alone (no weights: fast)."""
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise EdgespecError(
+            f"llama.cpp could not load {path} (truncated or corrupt GGUF); delete it and fetch it again"
+        )
+    try:
+        raw = llama_cpp.llama_model_chat_template(model, None)
+        return raw.decode("utf-8") if raw else None
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+class Rollback(enum.Enum):
+    """How a context's cache is cut back to an earlier length (see the module docstring)."""
+
+    TRUNCATE = "truncate"  # attention only: any tail is dropped
+    SNAPSHOTS = "snapshots"  # recurrent state: llama.cpp's per-token snapshots of the last pass, else checkpoints
+    CHECKPOINTS = "checkpoints"  # recurrent state: saved before a pass, restored, the kept tokens evaluated again
+
+
+@dataclass
+class Checkpoint:
+    """The recurrent part of the state after the first n_tokens tokens (None: the empty cache)."""
+
+    n_tokens: int
+    data: ctypes.Array | None
+
+
+@dataclass(frozen=True)
+class StateSizes:
+    """What a context of this model keeps: bytes per token (attention) and per sequence (recurrent)."""
+
+    per_token: int
+    recurrent: int
+
+
 class Model:
     """A GGUF model with its own llama.cpp context (a single sequence, id 0)."""
 
@@ -57,6 +116,7 @@ class Model:
         flash_attn: bool = False,
         repack: bool | None = None,
         kv_memory_share: float = KV_MEMORY_SHARE,
+        snapshots: int = MAX_SNAPSHOTS,
     ) -> None:
         """n_ctx: context size in tokens; None: the model's trained context, or less if its
         KV cache would take more than kv_memory_share of this machine's memory.
@@ -64,7 +124,11 @@ class Model:
         others (the loader chooses it by measurement, see calibration.py).
         repack: weights repacked into llama.cpp's extra buffer types (its default) or not
         (--no-repack); None: whichever works and runs faster here (see kernels.py: on
-        some CPUs the repacked kernels crash)."""
+        some CPUs the repacked kernels crash).
+        snapshots: on a recurrent or hybrid model, how many tokens a pass may be cut back by
+        llama.cpp's snapshots (fewer if they would take more than SNAPSHOT_MEMORY_SHARE of
+        memory; 0 where the architecture has none or they fail the probe); a draft model,
+        which decodes one token a pass, has no use for them."""
         self.path = check_gguf(path)
         self._model = self._ctx = self._batch = None
         self.n_threads = n_threads or os.cpu_count() or 1
@@ -84,13 +148,37 @@ class Model:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.tokens: list[int] = []
         self.prompt_cache: PromptCache | None = None  # saved states of other prompts (see prompt_cache.py)
-        self._make_context(n_ctx or self.default_context(kv_memory_share), n_batch, flash_attn)
+        self.recurrent = bool(
+            llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model)
+        )
+        self._checkpoint: Checkpoint | None = None
+        self._last_pass = 0  # tokens in the last llama_decode: llama.cpp's snapshots cover only that pass
+        self._snapshot_pending = False  # a snapshot rollback is used once, by the next decode
+        sizes = self._state_sizes(n_batch) if self.recurrent else None
+        if n_ctx is None:
+            n_ctx = self.default_context(kv_memory_share, sizes.per_token if sizes else self.kv_bytes_per_token)
+        self.n_snapshots = 0
+        if sizes is not None and snapshots > 0:
+            self.n_snapshots = min(snapshots, int(SNAPSHOT_MEMORY_SHARE * physical_memory()) // max(sizes.recurrent, 1))
+        self._make_context(n_ctx, n_batch, flash_attn)
+        if self.n_snapshots and not self._snapshots_work():  # not for this architecture, or not exact here
+            self.n_snapshots = 0
+            self._free_context()
+            self._make_context(n_ctx, n_batch, flash_attn)
 
-    def _make_context(self, n_ctx: int, n_batch: int, flash_attn: bool) -> None:
+    @property
+    def rollback(self) -> Rollback:
+        if not self.recurrent:
+            return Rollback.TRUNCATE
+        return Rollback.SNAPSHOTS if self.n_snapshots else Rollback.CHECKPOINTS
+
+    def _make_context(self, n_ctx: int, n_batch: int, flash_attn: bool, *, n_snapshots: int | None = None) -> None:
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = n_ctx
         ctx_params.n_batch = ctx_params.n_ubatch = n_batch
         ctx_params.n_seq_max = 1
+        ctx_params.n_rs_seq = self.n_snapshots if n_snapshots is None else n_snapshots
+        ctx_params.swa_full = True  # a sliding window's cache keeps every token, so a cut back stays exact
         ctx_params.n_threads = ctx_params.n_threads_batch = self.n_threads
         ctx_params.no_perf = True
         ctx_params.flash_attn_type = (
@@ -101,11 +189,14 @@ class Model:
             self.close()
             raise EdgespecError(f"llama.cpp could not create a {n_ctx}-token context for {self.path}; lower --ctx")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
+        if n_snapshots is None and self.n_snapshots:  # llama.cpp keeps none for architectures without them
+            self.n_snapshots = min(self.n_snapshots, llama_cpp.llama_n_rs_seq(self._ctx))
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
         self.n_batch = llama_cpp.llama_n_batch(self._ctx)  # llama.cpp caps it at n_ctx
         self.flash_attn = flash_attn
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.tokens.clear()
+        self._checkpoint = None
 
     def set_flash_attn(self, flash_attn: bool) -> None:
         """Recreate the context with flash attention on or off (the cache starts empty)."""
@@ -123,15 +214,60 @@ class Model:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """What one token takes in the KV cache: keys and values (f16) of every layer."""
+        """What one token takes in the KV cache of a transformer: keys and values (f16) of every layer."""
         m = self._model
         head_dim = llama_cpp.llama_model_n_embd(m) // max(llama_cpp.llama_model_n_head(m), 1)
         return 2 * 2 * llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * head_dim
 
-    def default_context(self, memory_share: float = KV_MEMORY_SHARE) -> int:
-        """The trained context, capped so that the KV cache fits memory_share of this machine's memory."""
-        fits = int(memory_share * physical_memory() / self.kv_bytes_per_token) // 256 * 256
+    def default_context(self, memory_share: float = KV_MEMORY_SHARE, bytes_per_token: int | None = None) -> int:
+        """The trained context, capped so that the KV cache fits memory_share of this machine's memory
+        (a purely recurrent model keeps nothing per token: its context is only a position limit)."""
+        per_token = self.kv_bytes_per_token if bytes_per_token is None else bytes_per_token
+        if per_token <= 0:
+            return self.n_ctx_train
+        fits = int(memory_share * physical_memory() / per_token) // 256 * 256
         return max(min(self.n_ctx_train, fits), min(MIN_DEFAULT_CTX, self.n_ctx_train))
+
+    def _state_sizes(self, n_batch: int) -> StateSizes:
+        """Measured in a small context of its own (a hybrid's layers differ: the API has no per-layer
+        head counts): the serialized state after 1 and after 9 tokens, and its recurrent part."""
+        self._make_context(64, min(n_batch, 64), False, n_snapshots=0)
+        try:
+            self.eval([0])
+            one = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+            recurrent = llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, PARTIAL_ONLY)
+            self.eval([0] * 8)
+            nine = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+        finally:
+            self._free_context()
+        return StateSizes(per_token=max(nine - one, 0) // 8, recurrent=recurrent)
+
+    def _snapshots_work(self) -> bool:
+        """Whether a pass cut back by llama.cpp's snapshots leaves the state a fresh run has: the
+        next token's logits must agree (a wrong state changes them far more than batch noise)."""
+        if not self.n_snapshots:
+            return False
+        head, tail = list(SNAPSHOT_PROBE[:2]), list(SNAPSHOT_PROBE[2:])
+        try:
+            self.eval(head + tail)
+            if not llama_cpp.llama_memory_seq_rm(self._memory, 0, len(head), -1):
+                return False
+            del self.tokens[len(head) :]
+            cut = np.array(self._decode_one(head[-1]))
+            llama_cpp.llama_memory_seq_rm(self._memory, 0, 0, -1)
+            self.tokens.clear()
+            self.eval(head)
+            fresh = np.array(self._decode_one(head[-1]))
+        except EdgespecError:
+            return False
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._memory, 0, 0, -1)
+            self.tokens.clear()
+            self._snapshot_pending = False
+        return bool(np.allclose(cut, fresh, rtol=1e-2, atol=1e-2 * float(np.abs(fresh).max())))
+
+    def _decode_one(self, token: int) -> np.ndarray:
+        return self.eval([token], all_logits=True)[0]
 
     # --- vocabulary -------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -185,23 +321,80 @@ class Model:
         return raw.decode("utf-8") if raw else None
 
     # --- KV cache ---------------------------------------------------------
+    def checkpoint(self, next_pass: int | None = None) -> None:
+        """Make a later cut back to the current length exact and cheap. A recurrent state is
+        copied out here, unless the next eval is one pass of `next_pass` tokens that llama.cpp's
+        snapshots can cut back (next_pass None: several passes follow, as a draft model's)."""
+        if not self.recurrent:
+            return
+        if next_pass is not None and next_pass - 1 <= self.n_snapshots:
+            return
+        if not self.tokens:
+            self._checkpoint = Checkpoint(0, None)
+            return
+        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, PARTIAL_ONLY)
+        old = self._checkpoint
+        data = old.data if old is not None and old.data is not None and len(old.data) == size else None
+        data = data or (ctypes.c_uint8 * size)()  # the last checkpoint's buffer, when it fits
+        if llama_cpp.llama_state_seq_get_data_ext(self._ctx, data, size, 0, PARTIAL_ONLY) != size:
+            raise EdgespecError(f"llama.cpp could not save the recurrent state of {self.path.name}; use --no-draft")
+        self._checkpoint = Checkpoint(len(self.tokens), data)
+
     def truncate(self, n: int) -> None:
-        """Drop cached tokens at positions >= n."""
+        """Drop cached tokens at positions >= n (on a recurrent model: cut back to a snapshot or
+        checkpoint, then evaluate again what lies between it and n)."""
         if n < len(self.tokens):
-            llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1)
-            del self.tokens[n:]
+            keep = self.tokens[:n]
+            self.eval(keep[self._cut(n) :])
+
+    def _cut(self, n: int) -> int:
+        """Cut the cache to at most n tokens, as close to n as this context can, without evaluating
+        anything; returns the length kept (see the module docstring)."""
+        if n >= len(self.tokens):
+            return len(self.tokens)
+        drop = len(self.tokens) - n
+        if not self.recurrent or (
+            drop <= min(self.n_snapshots, self._last_pass - 1) and not self._snapshot_pending and n > 0
+        ):
+            if llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1):
+                self._snapshot_pending = self.recurrent
+                self._drop_from(n)
+                return n
+            if not self.recurrent:
+                raise EdgespecError(f"llama.cpp refused to cut the cache of {self.path.name}; report this as a bug")
+        point = self._checkpoint
+        if point is not None and 0 < point.n_tokens <= n:
+            if llama_cpp.llama_state_seq_set_data_ext(self._ctx, point.data, len(point.data), 0, PARTIAL_ONLY) == len(
+                point.data
+            ) and llama_cpp.llama_memory_seq_rm(self._memory, 0, point.n_tokens, -1):
+                self._snapshot_pending = False
+                self._drop_from(point.n_tokens)
+                return point.n_tokens
+        self._clear()  # the empty cache is always exact
+        return 0
+
+    def _drop_from(self, n: int) -> None:
+        del self.tokens[n:]
+        if self._checkpoint is not None and self._checkpoint.n_tokens > n:
+            self._checkpoint = None
+
+    def _clear(self) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, 0, -1):
+            llama_cpp.llama_memory_clear(self._memory, True)
+        self.tokens.clear()
+        self._checkpoint = None
+        self._snapshot_pending = False
 
     def sync(self, tokens: list[int]) -> int:
-        """Keep the longest cached prefix of `tokens`, but never the last token, whose
-        logits the caller needs from a fresh eval; with a prompt cache, a saved state
-        that shares more of `tokens` is brought back (and the one that would be cut, kept).
-        Returns how many tokens were kept."""
+        """Keep the longest cached prefix of `tokens` this context can cut back to, but never
+        the last token, whose logits the caller needs from a fresh eval; with a prompt cache, a
+        saved state that shares more of `tokens` is brought back (and the one that would be cut,
+        kept). Returns how many tokens were kept: the caller evaluates the rest."""
         n = common_prefix(self.tokens, tokens, len(tokens) - 1)  # called every round: compared in C
         # a prompt of another conversation (a round discards fewer): keep what would be lost, bring back a better one
         if self.prompt_cache is not None and max(len(tokens) - 1, len(self.tokens)) - n >= MIN_TOKENS:
             n = self.prompt_cache.swap(self, tokens, n)
-        self.truncate(n)
-        return n
+        return self._cut(n)
 
     def save_state(self):
         """The cache's contents (sequence 0) as llama.cpp serializes them, or None."""
@@ -211,9 +404,9 @@ class Model:
 
     def restore_state(self, tokens: list[int], data) -> bool:
         """Load a state from save_state() that holds `tokens`; False (cache empty) if llama.cpp refuses it."""
-        self.truncate(0)
+        self._clear()
         if llama_cpp.llama_state_seq_set_data(self._ctx, data, len(data), 0) != len(data):
-            llama_cpp.llama_memory_seq_rm(self._memory, 0, 0, -1)
+            self._clear()
             return False
         self.tokens[:] = tokens
         return True
@@ -243,9 +436,16 @@ class Model:
                 batch.logits[i] = all_logits or (last_chunk and i == len(chunk) - 1)
             batch.n_tokens = len(chunk)
             status = llama_cpp.llama_decode(self._ctx, batch)
+            self._snapshot_pending = False
             if status != 0:
-                self.truncate(pos0)
-                raise RuntimeError(f"llama_decode failed with status {status}")
+                self._clear()  # what llama.cpp kept of a failed pass is not known: start again from nothing
+                if status == 1:  # no room for the batch in the cache
+                    raise ContextFull(self.n_ctx)
+                raise EdgespecError(
+                    f"llama.cpp failed to evaluate {len(chunk)} tokens with {self.path.name} (status {status});"
+                    " rerun with EDGESPEC_VERBOSE=1 to see llama.cpp's reason"
+                )
+            self._last_pass = len(chunk)
             self.tokens.extend(chunk)
         if all_logits:
             ptr = llama_cpp.llama_get_logits(self._ctx)

@@ -6,7 +6,9 @@ A model's context holds one sequence. When a prompt would throw away MIN_TOKENS 
 of it, that state is copied out first (llama_state_seq_get_data, into RAM); when a
 prompt shares a longer prefix with a saved state than with the live cache, that state is
 copied back in (llama_state_seq_set_data). The states of all models of an engine share
-one budget in bytes, the least recently used going first.
+one budget in bytes, the least recently used going first. A recurrent or hybrid model's
+state is reused only where the prompt continues all of it: its running state cannot be
+cut back to a shorter prefix.
 """
 
 from __future__ import annotations
@@ -54,12 +56,14 @@ class PromptCache:
         bring back a saved state that shares more of `tokens`. Returns the tokens the
         model's cache now shares with `tokens`."""
         limit = len(tokens) - 1
-        best = max(
-            (s for s in self.states if s.owner == id(model)),
-            key=lambda s: common_prefix(s.tokens, tokens, limit),
-            default=None,
-        )
-        reuse = common_prefix(best.tokens, tokens, limit) if best else 0
+
+        def reusable(state: SavedState) -> int:
+            shared = common_prefix(state.tokens, tokens, limit)
+            # a recurrent state holds its whole prefix or nothing: it cannot be cut back
+            return shared if not model.recurrent or shared == len(state.tokens) else 0
+
+        best = max((s for s in self.states if s.owner == id(model)), key=reusable, default=None)
+        reuse = reusable(best) if best else 0
         if len(model.tokens) - kept >= MIN_TOKENS:
             self._save(model)
         if reuse >= kept + MIN_TOKENS and model.restore_state(best.tokens, best.data):
@@ -75,8 +79,9 @@ class PromptCache:
     def _save(self, model) -> None:
         tokens = list(model.tokens)
         mine = [s for s in self.states if s.owner == id(model)]
-        if any(s.tokens[: len(tokens)] == tokens for s in mine):
-            return  # a saved state already holds all of it
+        # a saved state already holds all of it (a recurrent one only if it ends there: it cannot be cut back)
+        if any((s.tokens == tokens) if model.recurrent else (s.tokens[: len(tokens)] == tokens) for s in mine):
+            return
         data = model.save_state()
         if data is None or len(data) > self.budget:
             return

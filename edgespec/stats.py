@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from .controller import expected_tokens
+from .cost_curve import expected_tokens
 
 DERIVED = (
     "acceptance_rate",
@@ -33,8 +33,22 @@ SUMMED = (
     "decode_s",
     "draft_s",
     "verify_s",
+    "rollback_s",
 )
 SUMMED_BY_SOURCE = ("rounds_by_source", "drafted_by_source", "accepted_by_source")
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    """Seconds one round of draft -> verify took, by part."""
+
+    draft: float  # making the draft
+    verify: float  # the target's batched pass, accept/resample
+    rollback: float = 0.0  # on a recurrent target: its checkpoint, and after a rejection, restore and re-evaluation
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.verify + self.rollback
 
 
 @dataclass
@@ -54,6 +68,7 @@ class Stats:
     decode_s: float = 0.0  # end of prefill -> last token
     draft_s: float = 0.0  # of decode_s: making drafts
     verify_s: float = 0.0  # of decode_s: the target's batched forward + accept/resample
+    rollback_s: float = 0.0  # of decode_s: cutting a recurrent target's state back (checkpoints, restores)
     finish_reason: str | None = None  # stop | stop_string | length | context
     # what the controller chose: rounds per source ("model", "copy", "prediction", "off"), draft
     # tokens proposed and accepted per source, its α per drafter, its last choice, and the
@@ -68,6 +83,12 @@ class Stats:
     baseline_tokens_per_s: float = 0.0  # 1 / V(1) from calibration (0 if not calibrated)
     flash_attn: bool = False  # whether the target runs with flash attention
     repack: bool = True  # whether the target's weights are repacked for llama.cpp's extra CPU kernels (kernels.py)
+    # how the target's cache is cut back after a rejection (model.Rollback: truncate, snapshots,
+    # checkpoints) and what the calibration says a checkpoint and a restore cost, in target steps:
+    # on a recurrent model that is why auto may leave speculation off
+    rollback: str = "truncate"
+    checkpoint_steps: float = 0.0
+    restore_steps: float = 0.0
 
     @property
     def accepted_prediction_tokens(self) -> int:
@@ -109,7 +130,7 @@ class Stats:
 
     @property
     def other_s(self) -> float:
-        return max(self.decode_s - self.draft_s - self.verify_s, 0.0)
+        return max(self.decode_s - self.draft_s - self.verify_s - self.rollback_s, 0.0)
 
     @property
     def drafting_share(self) -> float:
@@ -126,8 +147,7 @@ class Stats:
         source: str,
         drafted: int,
         accepted: int,
-        draft_s: float,
-        verify_s: float,
+        timing: RoundTiming,
         alpha_by_source: dict[str, float],
         predicted_speedup: float,
     ) -> None:
@@ -136,8 +156,9 @@ class Stats:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.draft_s += draft_s
-        self.verify_s += verify_s
+        self.draft_s += timing.draft
+        self.verify_s += timing.verify
+        self.rollback_s += timing.rollback
         self.rounds_by_source[source] = self.rounds_by_source.get(source, 0) + 1
         if drafted:
             self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + drafted
@@ -164,6 +185,11 @@ class Stats:
                 for source, n in getattr(stats, name).items():
                     mine[source] = mine.get(source, 0) + n
         total.flash_attn, total.repack = many[0].flash_attn, many[0].repack
+        total.rollback, total.checkpoint_steps, total.restore_steps = (
+            many[0].rollback,
+            many[0].checkpoint_steps,
+            many[0].restore_steps,
+        )
         total.baseline_tokens_per_s = many[0].baseline_tokens_per_s
         return total
 
@@ -186,5 +212,10 @@ class Stats:
                     f" rejected {self.rejected_prediction_tokens}"
                 )
         line += f", flash attention {'on' if self.flash_attn else 'off'}, repack {'on' if self.repack else 'off'}"
-        split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s, other {self.other_s:.2f}s"
+        if self.rollback != "truncate":
+            line += f", rollback by {self.rollback}"
+            if self.checkpoint_steps or self.restore_steps:
+                line += f" (checkpoint {self.checkpoint_steps:.2f}, restore {self.restore_steps:.2f} target steps)"
+        rollback = f", rollback {self.rollback_s:.2f}s" if self.rollback_s else ""
+        split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s{rollback}, other {self.other_s:.2f}s"
         return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"

@@ -11,6 +11,7 @@ from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibra
 from edgespec.calibration import CostCurve
 from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
 from edgespec.drafters import CopyDrafter
+from edgespec.stats import RoundTiming
 
 
 class StubModelDrafter:
@@ -58,7 +59,7 @@ def feed(controller, accepted, drafted, rounds=1):
     for _ in range(rounds):
         plan = Plan(0.0, "model" if drafted else "off", drafted, key="model" if drafted else "")
         draft = Draft([0] * drafted, None, source=plan.source)
-        controller.observe(draft, accepted, DRAFT(1) * drafted, controller.V(drafted + 1), plan)
+        controller.observe(draft, accepted, RoundTiming(DRAFT(1) * drafted, controller.V(drafted + 1)), plan)
 
 
 @pytest.mark.parametrize("alpha", [0.3, 0.6, 0.8, 0.9, 0.97])
@@ -256,7 +257,7 @@ def test_predicted_speedup_of_rounds_without_drafts_is_one_however_the_machine_d
     for i in range(20):
         draft = controller.propose([1, 2, 3, 4, 5, 6, 7 + i], 100, GREEDY, RNG)
         assert draft.source == "off"
-        controller.observe(draft, 0, 0.0, 1.5 + i / 10)  # every step slower than the last
+        controller.observe(draft, 0, RoundTiming(0.0, 1.5 + i / 10))  # every step slower than the last
     assert controller.predicted.speedup == pytest.approx(1.0)
 
 
@@ -302,7 +303,7 @@ def test_rounds_slower_than_planned_lose_their_place():
     while controller.plan([1, 2, 3], 100).source == "model":
         plan = controller.plan([1, 2, 3], 100)
         draft = Draft([0] * plan.gamma, None, source="model")
-        controller.observe(draft, plan.gamma, 3 * 0.3 * plan.gamma, 3 * controller.V(plan.gamma + 1), plan)
+        controller.observe(draft, plan.gamma, RoundTiming(3 * 0.3 * plan.gamma, 3 * controller.V(plan.gamma + 1)), plan)
         rounds += 1
         assert rounds <= 5
     assert controller.live["model"].ratio > 1.3
@@ -317,7 +318,7 @@ def test_a_machine_slow_for_everything_changes_no_choice():
         source, gamma = ("off", 0) if i % 2 else ("model", before.gamma)
         plan = Plan(1.0, source, gamma, key="model" if gamma else "")
         draft = Draft([0] * gamma, None, source=source)
-        controller.observe(draft, gamma, 2 * 0.3 * gamma, 2 * controller.V(gamma + 1), plan)
+        controller.observe(draft, gamma, RoundTiming(2 * 0.3 * gamma, 2 * controller.V(gamma + 1)), plan)
     after = controller.plan([1, 2, 3], 100)
     assert after.source == before.source == "model"
     assert controller.live["model"].ratio == pytest.approx(controller.live["off"].ratio, rel=0.15)

@@ -141,6 +141,10 @@ def test_a_prediction_changes_the_speed_not_the_answer(smollm2, mode):
     good = engine.generate(prompt, temperature=0, max_tokens=48, prediction=baseline.text)
     tokens = engine.prompt_tokens(prompt)
     assert_greedy_match(f"prediction/{mode}", smollm2, tokens, baseline.tokens, good.tokens)
+    if good.tokens != baseline.tokens:  # a float near-tie took another path: predict that path instead
+        again = engine.generate(prompt, temperature=0, max_tokens=48, prediction=good.text)
+        assert_greedy_match(f"prediction again/{mode}", smollm2, tokens, baseline.tokens, again.tokens)
+        good = again
     stats = good.stats
     if mode == "copy":  # (auto drafts only where its measured costs say it pays)
         assert stats.accepted_prediction_tokens > 12 and stats.rounds < 0.75 * stats.n_tokens

@@ -69,3 +69,11 @@ def test_readme_openai_client_section(capsys):
         assert "surface" in out and "accepted_prediction_tokens" in out and "drafted" in out
     finally:
         assert server.stop() == 0
+
+
+def test_readme_recurrent_section_command_runs():
+    section = README[README.index("## Recurrent, hybrid") : README.index("## Models")]
+    (command,) = code_blocks(section, "sh")
+    done = subprocess.run(shlex.split(command.strip()), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() and "tok/s" in done.stderr.splitlines()[-1]

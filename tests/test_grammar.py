@@ -86,7 +86,9 @@ def test_greedy_under_a_grammar_equals_llama_cpp_python(smollm2, smollm2_path, r
     gbnf = constraint.get("grammar") or json_schema_gbnf(constraint["json_schema"])
     reference = llama_reference(smollm2_path, tokens, gbnf, 120)
     plain = engine.generate(prompt, temperature=0, max_tokens=120, speculative=False, **constraint)
-    assert plain.tokens == reference  # both decode one token at a time: no float differences
+    # the same passes but the prompt's last token (llama-cpp-python evaluates it with the prompt):
+    # equal up to a float near-tie
+    assert_constrained_match("grammar no draft", smollm2, tokens, gbnf, reference, plain.tokens)
     for name, run in {
         "free drafts": engine.generate(prompt, temperature=0, max_tokens=120, draft_mode="copy", **constraint),
         "draft model": requant_engine.generate(prompt, temperature=0, max_tokens=120, **constraint),

@@ -15,6 +15,7 @@ from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metada
 from test_cli import assert_one_line_error, run
 
 import edgespec
+from edgespec import store
 from edgespec.engine import MAX_CHARS_PER_TOKEN
 
 HOSTILE = {
@@ -66,6 +67,15 @@ def test_hostile_template_is_one_line_quickly(capsys, hostile_models, name):
     assert "pwned" not in out + err
     assert elapsed < 10, f"{name} took {elapsed:.1f} s"  # the renderer is killed after 2 s; loading is the rest
     assert peak_rss_mib() - before < 200  # the template's memory was never ours
+
+
+def test_a_hostile_template_fails_before_the_model_is_probed_or_timed(capsys, smollm2_path, tmp_path):
+    """What fails cheaply fails first: no kernel probe, no calibration for a file whose template is bad."""
+    path = with_chat_template(smollm2_path, tmp_path / "never-probed.gguf", HOSTILE["huge-range"])
+    capsys.readouterr()  # (the gguf writer's progress)
+    code, out, err = run(capsys, "generate", "hi", "--target", str(path), "--ctx", "512")
+    assert_one_line_error(code, err, "chat template", "--raw")
+    assert not [key for key in store.read() if path.name in key]
 
 
 def test_the_program_keeps_working_after_hostile_templates(hostile_models, smollm2_path):

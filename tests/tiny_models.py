@@ -1,0 +1,137 @@
+"""Tiny random-weight GGUFs of architectures whose memory is not (only) an attention cache,
+written with the gguf package and SmolLM2's tokenizer: llama.cpp loads and runs them as
+it would the real models, so rollback is tested on real contexts in a second.
+
+Weights are large enough (embeddings of standard deviation 1, tied to the output) that
+the logits are peaked: greedy answers have few near-ties, and random models soon repeat
+themselves, so copies are accepted and rejected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf.scripts.gguf_new_metadata import get_field_data
+
+N_EMBD = 64
+N_LAYER = 4
+N_HEAD = 4
+N_FF = 128
+D_STATE, D_CONV, DT_RANK = 8, 4, 8  # Mamba's scan: state size, convolution width, Δ's rank
+L_CACHE = 3  # LFM2's short convolution
+
+
+def _tokenizer_fields(source: Path) -> list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
+    reader = gguf.GGUFReader(source, "r")
+    fields = []
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer.") and name != gguf.Keys.Tokenizer.CHAT_TEMPLATE:
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            fields.append((name, get_field_data(reader, name), vtype, sub))
+        elif name == gguf.Keys.Tokenizer.CHAT_TEMPLATE:
+            fields.append((name, get_field_data(reader, name), gguf.GGUFValueType.STRING, None))
+    return fields
+
+
+def _mamba_layer(rng, prefix: str, *, normed: bool) -> dict[str, np.ndarray]:
+    d_inner = 2 * N_EMBD
+    tensors = {
+        "ssm_in.weight": rng.normal(0, 0.2, (2 * d_inner, N_EMBD)),
+        "ssm_conv1d.weight": rng.normal(0, 0.5, (d_inner, D_CONV)),
+        "ssm_conv1d.bias": rng.normal(0, 0.1, d_inner),
+        "ssm_x.weight": rng.normal(0, 0.2, (DT_RANK + 2 * D_STATE, d_inner)),
+        "ssm_dt.weight": rng.normal(0, 0.2, (d_inner, DT_RANK)),
+        "ssm_dt.bias": rng.normal(-1, 0.1, d_inner),
+        "ssm_a": -np.exp(rng.normal(0, 0.5, (d_inner, D_STATE))),  # negative: a decaying state
+        "ssm_d": np.ones(d_inner),
+        "ssm_out.weight": rng.normal(0, 0.2, (N_EMBD, d_inner)),
+    }
+    if normed:  # Jamba normalises Δ, B and C
+        tensors |= {"ssm_dt_norm.weight": np.ones(DT_RANK), "ssm_b_norm.weight": np.ones(D_STATE)}
+        tensors |= {"ssm_c_norm.weight": np.ones(D_STATE)}
+    return {f"{prefix}.{name}": value for name, value in tensors.items()}
+
+
+def _attention_layer(rng, prefix: str, *, qk_norm: bool) -> dict[str, np.ndarray]:
+    head = N_EMBD // N_HEAD
+    tensors = {f"attn_{x}.weight": rng.normal(0, 0.3, (N_EMBD, N_EMBD)) for x in ("q", "k", "v", "output")}
+    if qk_norm:
+        tensors |= {"attn_q_norm.weight": np.ones(head), "attn_k_norm.weight": np.ones(head)}
+    return {f"{prefix}.{name}": value for name, value in tensors.items()}
+
+
+def _ffn(rng, prefix: str) -> dict[str, np.ndarray]:
+    return {
+        f"{prefix}.ffn_norm.weight": np.ones(N_EMBD),
+        f"{prefix}.ffn_gate.weight": rng.normal(0, 0.2, (N_FF, N_EMBD)),
+        f"{prefix}.ffn_up.weight": rng.normal(0, 0.2, (N_FF, N_EMBD)),
+        f"{prefix}.ffn_down.weight": rng.normal(0, 0.2, (N_EMBD, N_FF)),
+    }
+
+
+ARCHS = ("mamba", "jamba", "lfm2")  # pure recurrent; hybrid without snapshots; hybrid with them
+ATTENTION_LAYERS = {"mamba": (), "jamba": (1, 3), "lfm2": (1, 3)}
+
+
+def write_tiny(path: Path, arch: str, tokenizer: Path, *, seed: int = 0, noise: float = 0.0) -> Path:
+    """A random `arch` model at `path`; `noise` > 0 perturbs the last block's weights of `seed`
+    by that share (a draft model that agrees with its target often, not always)."""
+    rng = np.random.default_rng(seed)
+    fields = _tokenizer_fields(tokenizer)
+    n_vocab = len(next(value for name, value, *_ in fields if name == gguf.Keys.Tokenizer.LIST))
+    tensors: dict[str, np.ndarray] = {"token_embd.weight": rng.normal(0, 1.0, (n_vocab, N_EMBD))}
+    tensors["token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight"] = np.ones(N_EMBD)
+    heads_kv = []
+    for i in range(N_LAYER):
+        prefix = f"blk.{i}"
+        tensors[f"{prefix}.attn_norm.weight"] = np.ones(N_EMBD)
+        attention = i in ATTENTION_LAYERS[arch]
+        heads_kv.append(N_HEAD if attention else 0)
+        if attention:
+            tensors |= _attention_layer(rng, prefix, qk_norm=arch == "lfm2")
+        elif arch == "lfm2":
+            tensors[f"{prefix}.shortconv.conv.weight"] = rng.normal(0, 0.5, (N_EMBD, L_CACHE))
+            tensors[f"{prefix}.shortconv.in_proj.weight"] = rng.normal(0, 0.2, (3 * N_EMBD, N_EMBD))
+            tensors[f"{prefix}.shortconv.out_proj.weight"] = rng.normal(0, 0.2, (N_EMBD, N_EMBD))
+        else:
+            tensors |= _mamba_layer(rng, prefix, normed=arch == "jamba")
+        if arch != "mamba":
+            tensors |= _ffn(rng, prefix)
+    if noise:  # in the last block only: perturbing every layer of a random network changes nearly every token
+        other = np.random.default_rng(seed + 1)
+        last = f"blk.{N_LAYER - 1}."
+        tensors = {
+            name: t + noise * t.std() * other.normal(size=t.shape) if name.startswith(last) and t.ndim > 1 else t
+            for name, t in tensors.items()
+        }
+
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_layer_norm_rms_eps(1e-5)
+    if arch != "mamba":
+        writer.add_feed_forward_length(N_FF)
+        writer.add_head_count(N_HEAD)
+        writer.add_head_count_kv(heads_kv)
+    if arch == "lfm2":
+        writer.add_shortconv_l_cache(L_CACHE)
+        writer.add_rope_freq_base(10000.0)
+    else:
+        writer.add_ssm_conv_kernel(D_CONV)
+        writer.add_ssm_inner_size(2 * N_EMBD)
+        writer.add_ssm_state_size(D_STATE)
+        writer.add_ssm_time_step_rank(DT_RANK)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for name, value, vtype, sub in fields:
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
