@@ -1,8 +1,9 @@
 """Recurrent and hybrid models (issue 22), on tiny random-weight GGUFs that llama.cpp runs as
 it runs the real ones (tiny_models.py): Mamba (recurrent state only: checkpoints), Jamba
-(Mamba and attention layers: checkpoints) and LFM2 (short convolutions and attention:
-llama.cpp's snapshots). Each cut of the cache is exact, and speculation on them gives the
-target's output: greedy token for token, sampled in law."""
+(Mamba and attention layers: checkpoints), LFM2 (short convolutions and attention) and
+Qwen3.5 (Gated DeltaNet and attention), both with llama.cpp's snapshots. Each cut of the
+cache is exact, and speculation on them gives the target's output: greedy token for token,
+sampled in law."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ from edgespec.drafters import CopyDrafter
 from edgespec.model import Rollback
 from edgespec.sampling import distribution
 
-EXPECTED = {"mamba": Rollback.CHECKPOINTS, "jamba": Rollback.CHECKPOINTS, "lfm2": Rollback.SNAPSHOTS}
+EXPECTED = {
+    "mamba": Rollback.CHECKPOINTS,
+    "jamba": Rollback.CHECKPOINTS,
+    "lfm2": Rollback.SNAPSHOTS,
+    "qwen35": Rollback.SNAPSHOTS,
+}
 PROMPT = [1, 504, 2329, 28, 1789, 3726, 28, 1347, 2791, 30]  # any tokens: the models are random
 LENGTH = 120
 

@@ -63,17 +63,52 @@ def _attention_layer(rng, prefix: str, *, qk_norm: bool) -> dict[str, np.ndarray
     return {f"{prefix}.{name}": value for name, value in tensors.items()}
 
 
-def _ffn(rng, prefix: str) -> dict[str, np.ndarray]:
-    return {
-        f"{prefix}.ffn_norm.weight": np.ones(N_EMBD),
+def _ffn(rng, prefix: str, *, norm: bool) -> dict[str, np.ndarray]:
+    tensors = {
         f"{prefix}.ffn_gate.weight": rng.normal(0, 0.2, (N_FF, N_EMBD)),
         f"{prefix}.ffn_up.weight": rng.normal(0, 0.2, (N_FF, N_EMBD)),
         f"{prefix}.ffn_down.weight": rng.normal(0, 0.2, (N_EMBD, N_FF)),
     }
+    return tensors | ({f"{prefix}.ffn_norm.weight": np.ones(N_EMBD)} if norm else {})
 
 
-ARCHS = ("mamba", "jamba", "lfm2")  # pure recurrent; hybrid without snapshots; hybrid with them
-ATTENTION_LAYERS = {"mamba": (), "jamba": (1, 3), "lfm2": (1, 3)}
+def _delta_net_layer(rng, prefix: str) -> dict[str, np.ndarray]:
+    """Qwen3.5's Gated DeltaNet (linear attention) layer."""
+    key_dim, value_dim = GDN_HEAD * GDN_K_HEADS, GDN_HEAD * GDN_V_HEADS
+    conv_dim = 2 * key_dim + value_dim
+    tensors = {
+        "attn_qkv.weight": rng.normal(0, 0.2, (conv_dim, N_EMBD)),
+        "attn_gate.weight": rng.normal(0, 0.2, (value_dim, N_EMBD)),
+        "ssm_conv1d.weight": rng.normal(0, 0.5, (conv_dim, D_CONV)),
+        "ssm_dt.bias": rng.normal(0, 0.1, GDN_V_HEADS),
+        "ssm_a": -np.exp(rng.normal(0, 0.5, GDN_V_HEADS)),
+        "ssm_beta.weight": rng.normal(0, 0.2, (GDN_V_HEADS, N_EMBD)),
+        "ssm_alpha.weight": rng.normal(0, 0.2, (GDN_V_HEADS, N_EMBD)),
+        "ssm_norm.weight": np.ones(GDN_HEAD),
+        "ssm_out.weight": rng.normal(0, 0.2, (N_EMBD, value_dim)),
+    }
+    return {f"{prefix}.{name}": value for name, value in tensors.items()}
+
+
+def _gated_attention_layer(rng, prefix: str) -> dict[str, np.ndarray]:
+    """Qwen3.5's full attention: the query projection also gives the output gate."""
+    head = N_EMBD // N_HEAD
+    tensors = {
+        "attn_q.weight": rng.normal(0, 0.3, (2 * N_EMBD, N_EMBD)),
+        "attn_k.weight": rng.normal(0, 0.3, (head * QWEN35_KV_HEADS, N_EMBD)),
+        "attn_v.weight": rng.normal(0, 0.3, (head * QWEN35_KV_HEADS, N_EMBD)),
+        "attn_output.weight": rng.normal(0, 0.3, (N_EMBD, N_EMBD)),
+        "attn_q_norm.weight": np.ones(head),
+        "attn_k_norm.weight": np.ones(head),
+    }
+    return {f"{prefix}.{name}": value for name, value in tensors.items()}
+
+
+GDN_HEAD, GDN_K_HEADS, GDN_V_HEADS = 16, 2, 4  # Gated DeltaNet: head size, key heads, value heads
+QWEN35_KV_HEADS = 2
+# pure recurrent; hybrid without snapshots; hybrids with them (short convolutions; Gated DeltaNet)
+ARCHS = ("mamba", "jamba", "lfm2", "qwen35")
+ATTENTION_LAYERS = {"mamba": (), "jamba": (1, 3), "lfm2": (1, 3), "qwen35": (3,)}  # qwen35: every 4th
 
 
 def write_tiny(path: Path, arch: str, tokenizer: Path, *, seed: int = 0, noise: float = 0.0) -> Path:
@@ -90,7 +125,10 @@ def write_tiny(path: Path, arch: str, tokenizer: Path, *, seed: int = 0, noise: 
         tensors[f"{prefix}.attn_norm.weight"] = np.ones(N_EMBD)
         attention = i in ATTENTION_LAYERS[arch]
         heads_kv.append(N_HEAD if attention else 0)
-        if attention:
+        if arch == "qwen35":
+            tensors[f"{prefix}.post_attention_norm.weight"] = np.ones(N_EMBD)  # (its FFN's norm)
+            tensors |= _gated_attention_layer(rng, prefix) if attention else _delta_net_layer(rng, prefix)
+        elif attention:
             tensors |= _attention_layer(rng, prefix, qk_norm=arch == "lfm2")
         elif arch == "lfm2":
             tensors[f"{prefix}.shortconv.conv.weight"] = rng.normal(0, 0.5, (N_EMBD, L_CACHE))
@@ -99,7 +137,7 @@ def write_tiny(path: Path, arch: str, tokenizer: Path, *, seed: int = 0, noise: 
         else:
             tensors |= _mamba_layer(rng, prefix, normed=arch == "jamba")
         if arch != "mamba":
-            tensors |= _ffn(rng, prefix)
+            tensors |= _ffn(rng, prefix, norm=arch != "qwen35")
     if noise:  # in the last block only: perturbing every layer of a random network changes nearly every token
         other = np.random.default_rng(seed + 1)
         last = f"blk.{N_LAYER - 1}."
@@ -116,8 +154,17 @@ def write_tiny(path: Path, arch: str, tokenizer: Path, *, seed: int = 0, noise: 
     if arch != "mamba":
         writer.add_feed_forward_length(N_FF)
         writer.add_head_count(N_HEAD)
-        writer.add_head_count_kv(heads_kv)
-    if arch == "lfm2":
+        writer.add_head_count_kv(QWEN35_KV_HEADS if arch == "qwen35" else heads_kv)
+    if arch == "qwen35":
+        writer.add_rope_dimension_sections([3, 3, 2, 0])  # interleaved M-RoPE over the head's 8 pairs
+        writer.add_rope_freq_base(10000.0)
+        writer.add_uint32(f"{arch}.full_attention_interval", 4)
+        writer.add_ssm_conv_kernel(D_CONV)
+        writer.add_ssm_inner_size(GDN_HEAD * GDN_V_HEADS)
+        writer.add_ssm_state_size(GDN_HEAD)
+        writer.add_ssm_time_step_rank(GDN_V_HEADS)
+        writer.add_ssm_group_count(GDN_K_HEADS)
+    elif arch == "lfm2":
         writer.add_shortconv_l_cache(L_CACHE)
         writer.add_rope_freq_base(10000.0)
     else:
