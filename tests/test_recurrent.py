@@ -305,23 +305,10 @@ def test_gemma_greedy_equal_across_modes(gemma, kwargs):
 def test_chat_app_and_server_on_a_hybrid(monkeypatch, tiny):
     """`edgespec chat` and `edgespec serve` on Jamba with its draft model: answers, no traceback."""
     from test_server import Server
-    from test_tui import send
-
-    from tui.app import ChatApp
+    from test_smoke import chat_command_stats
 
     target, draft = (str(p) for p in tiny["jamba"])
-    answers = []
-
-    async def autopilot(pilot):
-        await send(pilot, pilot.app, "Say hello.")
-        answers.append(pilot.app.last_stats)
-        pilot.app.exit()
-
-    real_run = ChatApp.run
-    monkeypatch.setattr(ChatApp, "run", lambda app: real_run(app, headless=True, size=(100, 30), auto_pilot=autopilot))
-    argv = ["chat", "--target", target, "--draft", draft, "--max-tokens", "6", "--temperature", "0", "--ctx", "512"]
-    assert edgespec.cli.main(argv) == 0
-    (stats,) = answers
+    stats = chat_command_stats(monkeypatch, "--target", target, "--draft", draft, "--ctx", "512")
     assert stats.n_tokens > 0 and stats.rollback == "checkpoints"
 
     server = Server("--target", target, "--draft", draft, "--ctx", "512")

@@ -116,9 +116,9 @@ def test_bench_bad_repeats(capsys):
     assert_one_line_error(*run(capsys, "bench", "--pair", "smollm2-self", "--repeats", "0")[::2], "repeats")
 
 
-@pytest.mark.parametrize("source", ["target-alone", "pair"])
-def test_chat_command_answers(monkeypatch, sources, source):
-    """`edgespec chat ...` through the CLI, the app run headless by Textual's autopilot."""
+def chat_command_stats(monkeypatch, *argv: str):
+    """`edgespec chat ARGV` through the CLI, the app run headless by Textual's autopilot: the
+    stats of its answer to one message."""
     answers = []
 
     async def autopilot(pilot):
@@ -128,9 +128,14 @@ def test_chat_command_answers(monkeypatch, sources, source):
 
     real_run = ChatApp.run
     monkeypatch.setattr(ChatApp, "run", lambda app: real_run(app, headless=True, size=(100, 30), auto_pilot=autopilot))
-    code = edgespec.cli.main(["chat", *sources[source], "--max-tokens", "6", "--temperature", "0", "--ctx", "1024"])
-    assert code == 0
+    assert edgespec.cli.main(["chat", *argv, "--max-tokens", "6", "--temperature", "0"]) == 0
     (stats,) = answers
+    return stats
+
+
+@pytest.mark.parametrize("source", ["target-alone", "pair"])
+def test_chat_command_answers(monkeypatch, sources, source):
+    stats = chat_command_stats(monkeypatch, *sources[source], "--ctx", "1024")
     assert stats.n_tokens > 0 and stats.mode == "speculative"
 
 
