@@ -215,6 +215,12 @@ class Plan:
             self.expected_rate = self.rate
 
 
+def _draft_again(step: float):
+    """What a draft model's kept tokens cost again after a restore: its next pass takes the
+    k - 1 of them beside the token it had to evaluate anyway, at about a step each."""
+    return lambda k: (k - 1) * step
+
+
 class Controller:
     """Chooses, each round, what to draft (see the module docstring).
 
@@ -275,8 +281,8 @@ class Controller:
     def model_cost(self, gamma: int, alpha: float) -> float:
         step = self.draft_step(1) if self.draft_step else 0.0
         cost = gamma * step + self.verify_cost(gamma, alpha)
-        if self.draft_rollback is not None:  # after a rejection at i its next pass takes the i kept tokens too
-            cost += self.draft_rollback.expected(gamma, alpha, lambda k: (k - 1) * step)
+        if self.draft_rollback is not None:
+            cost += self.draft_rollback.expected(gamma, alpha, _draft_again(step))
         return cost
 
     def verify_cost(self, gamma: int, alpha: float) -> float:
@@ -307,7 +313,7 @@ class Controller:
         if self.verify_rollback is not None and gamma:
             cost += self.verify_rollback.of_round(gamma, accepted, self.V)
         if self.draft_rollback is not None and source == "model" and gamma:
-            cost += self.draft_rollback.of_round(gamma, accepted, lambda k: (k - 1) * step)
+            cost += self.draft_rollback.of_round(gamma, accepted, _draft_again(step))
         return cost
 
     def _live(self, source: str) -> LiveCost:

@@ -66,16 +66,25 @@ def header_chat_template(path: Path) -> str | None:
     """The chat template of a GGUF, read with its vocabulary alone (no weights: fast)."""
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True
+    model = _load(path, params)
+    try:
+        return _chat_template(model)
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+def _load(path: Path, params):
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise EdgespecError(
             f"llama.cpp could not load {path} (truncated or corrupt GGUF); delete it and fetch it again"
         )
-    try:
-        raw = llama_cpp.llama_model_chat_template(model, None)
-        return raw.decode("utf-8") if raw else None
-    finally:
-        llama_cpp.llama_model_free(model)
+    return model
+
+
+def _chat_template(model) -> str | None:
+    raw = llama_cpp.llama_model_chat_template(model, None)
+    return raw.decode("utf-8") if raw else None
 
 
 class Rollback(enum.Enum):
@@ -88,10 +97,10 @@ class Rollback(enum.Enum):
 
 @dataclass
 class Checkpoint:
-    """The recurrent part of the state after the first n_tokens tokens (None: the empty cache)."""
+    """The recurrent part of the state after the first n_tokens tokens."""
 
     n_tokens: int
-    data: ctypes.Array | None
+    data: ctypes.Array
 
 
 @dataclass(frozen=True)
@@ -139,11 +148,7 @@ class Model:
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
         model_params.use_extra_bufts = repack
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
-        if not self._model:
-            raise EdgespecError(
-                f"llama.cpp could not load {self.path} (truncated or corrupt GGUF); delete it and fetch it again"
-            )
+        self._model = _load(self.path, model_params)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.tokens: list[int] = []
@@ -247,27 +252,20 @@ class Model:
         next token's logits must agree (a wrong state changes them far more than batch noise)."""
         if not self.n_snapshots:
             return False
-        head, tail = list(SNAPSHOT_PROBE[:2]), list(SNAPSHOT_PROBE[2:])
+        head = list(SNAPSHOT_PROBE[:2])
         try:
-            self.eval(head + tail)
-            if not llama_cpp.llama_memory_seq_rm(self._memory, 0, len(head), -1):
+            self.eval(list(SNAPSHOT_PROBE))
+            if self._cut(len(head)) != len(head):  # refused: _cut fell back to the empty cache
                 return False
-            del self.tokens[len(head) :]
-            cut = np.array(self._decode_one(head[-1]))
-            llama_cpp.llama_memory_seq_rm(self._memory, 0, 0, -1)
-            self.tokens.clear()
+            cut = np.array(self.eval(head[-1:]))
+            self._clear()
             self.eval(head)
-            fresh = np.array(self._decode_one(head[-1]))
+            fresh = np.array(self.eval(head[-1:]))
         except EdgespecError:
             return False
         finally:
-            llama_cpp.llama_memory_seq_rm(self._memory, 0, 0, -1)
-            self.tokens.clear()
-            self._snapshot_pending = False
+            self._clear()
         return bool(np.allclose(cut, fresh, rtol=1e-2, atol=1e-2 * float(np.abs(fresh).max())))
-
-    def _decode_one(self, token: int) -> np.ndarray:
-        return self.eval([token], all_logits=True)[0]
 
     # --- vocabulary -------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -317,8 +315,7 @@ class Model:
         return llama_cpp.llama_vocab_get_add_bos(self._vocab)
 
     def chat_template(self) -> str | None:
-        raw = llama_cpp.llama_model_chat_template(self._model, None)
-        return raw.decode("utf-8") if raw else None
+        return _chat_template(self._model)
 
     # --- KV cache ---------------------------------------------------------
     def checkpoint(self, next_pass: int | None = None) -> None:
@@ -329,13 +326,12 @@ class Model:
             return
         if next_pass is not None and next_pass - 1 <= self.n_snapshots:
             return
-        if not self.tokens:
-            self._checkpoint = Checkpoint(0, None)
+        if not self.tokens:  # the way back is the empty cache
+            self._checkpoint = None
             return
         size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, PARTIAL_ONLY)
         old = self._checkpoint
-        data = old.data if old is not None and old.data is not None and len(old.data) == size else None
-        data = data or (ctypes.c_uint8 * size)()  # the last checkpoint's buffer, when it fits
+        data = old.data if old is not None and len(old.data) == size else (ctypes.c_uint8 * size)()  # reused
         if llama_cpp.llama_state_seq_get_data_ext(self._ctx, data, size, 0, PARTIAL_ONLY) != size:
             raise EdgespecError(f"llama.cpp could not save the recurrent state of {self.path.name}; use --no-draft")
         self._checkpoint = Checkpoint(len(self.tokens), data)
@@ -352,26 +348,38 @@ class Model:
         anything; returns the length kept (see the module docstring)."""
         if n >= len(self.tokens):
             return len(self.tokens)
-        drop = len(self.tokens) - n
-        if not self.recurrent or (
-            drop <= min(self.n_snapshots, self._last_pass - 1) and not self._snapshot_pending and n > 0
-        ):
-            if llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1):
-                self._snapshot_pending = self.recurrent
-                self._drop_from(n)
-                return n
-            if not self.recurrent:
+        if not self.recurrent:
+            if not llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1):
                 raise EdgespecError(f"llama.cpp refused to cut the cache of {self.path.name}; report this as a bug")
+            del self.tokens[n:]
+            return n
+        # a snapshot: only of the last pass (llama.cpp's other slots are stale), once per decode
+        in_last_pass = len(self.tokens) - n <= min(self.n_snapshots, self._last_pass - 1)
+        if (
+            in_last_pass
+            and 0 < n
+            and not self._snapshot_pending
+            and llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1)
+        ):
+            self._snapshot_pending = True
+            self._drop_from(n)
+            return n
         point = self._checkpoint
-        if point is not None and 0 < point.n_tokens <= n:
-            if llama_cpp.llama_state_seq_set_data_ext(self._ctx, point.data, len(point.data), 0, PARTIAL_ONLY) == len(
-                point.data
-            ) and llama_cpp.llama_memory_seq_rm(self._memory, 0, point.n_tokens, -1):
-                self._snapshot_pending = False
-                self._drop_from(point.n_tokens)
-                return point.n_tokens
+        if point is not None and point.n_tokens <= n and self._restore(point):
+            return point.n_tokens
         self._clear()  # the empty cache is always exact
         return 0
+
+    def _restore(self, point: Checkpoint) -> bool:
+        """The recurrent state back at the checkpoint, the attention tail after it dropped."""
+        size = len(point.data)
+        if llama_cpp.llama_state_seq_set_data_ext(self._ctx, point.data, size, 0, PARTIAL_ONLY) != size:
+            return False
+        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, point.n_tokens, -1):
+            return False
+        self._snapshot_pending = False
+        self._drop_from(point.n_tokens)
+        return True
 
     def _drop_from(self, n: int) -> None:
         del self.tokens[n:]

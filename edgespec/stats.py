@@ -35,6 +35,8 @@ SUMMED = (
     "verify_s",
     "rollback_s",
 )
+# what combine() takes from the first generation: the machine's settings, not counts
+SETTINGS = ("flash_attn", "repack", "baseline_tokens_per_s", "rollback", "checkpoint_steps", "restore_steps")
 SUMMED_BY_SOURCE = ("rounds_by_source", "drafted_by_source", "accepted_by_source")
 
 
@@ -184,13 +186,8 @@ class Stats:
                 mine = getattr(total, name)
                 for source, n in getattr(stats, name).items():
                     mine[source] = mine.get(source, 0) + n
-        total.flash_attn, total.repack = many[0].flash_attn, many[0].repack
-        total.rollback, total.checkpoint_steps, total.restore_steps = (
-            many[0].rollback,
-            many[0].checkpoint_steps,
-            many[0].restore_steps,
-        )
-        total.baseline_tokens_per_s = many[0].baseline_tokens_per_s
+        for name in SETTINGS:
+            setattr(total, name, getattr(many[0], name))
         return total
 
     def summary(self) -> str:
