@@ -213,6 +213,6 @@ class Stats:
             line += f", rollback by {self.rollback}"
             if self.checkpoint_steps or self.restore_steps:
                 line += f" (checkpoint {self.checkpoint_steps:.2f}, restore {self.restore_steps:.2f} target steps)"
-        rollback = f", rollback {self.rollback_s:.2f}s" if self.rollback_s else ""
+        rollback = f", rollback {self.rollback_s:.2f}s" if self.rollback != "truncate" else ""
         split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s{rollback}, other {self.other_s:.2f}s"
         return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"
