@@ -192,3 +192,19 @@ def test_generate_with_a_json_schema_or_a_grammar_file(capsys, monkeypatch, tmp_
     with pytest.raises(SystemExit) as e:  # argparse refuses the pair
         main([*argv, "--json-schema", str(schema), "--grammar", "-"])
     assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`edgespec generate ... --json | head -c 20`: the pipe closes before the answer is written."""
+    import shlex
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "edgespec", "generate", "Say hi.", "--target", "smollm2-135m", "--max-tokens", "8"]
+    done = subprocess.run(
+        ["bash", "-c", shlex.join([*argv, "--json"]) + " | head -c 20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "Traceback" not in done.stderr and len(done.stdout) == 20
