@@ -7,32 +7,42 @@ with edgespec.load() as engine:                      # the default pair from mod
     print(event.stats.summary())
 """
 
-from .drafters import Draft, Drafter, ModelDrafter
-from .engine import Engine, Event, Generation
-from .engine_thread import EngineThread
-from .errors import EdgespecError
-from .loader import PairInfo, load, pairs, pull_models
-from .model import Model
-from .sampling import SamplingParams
-from .stats import Stats
-from .tools import ToolCall, ToolChoice
+from importlib import import_module
 
-__all__ = [
-    "Draft",
-    "Drafter",
-    "EdgespecError",
-    "Engine",
-    "EngineThread",
-    "Event",
-    "Generation",
-    "Model",
-    "ModelDrafter",
-    "PairInfo",
-    "SamplingParams",
-    "Stats",
-    "ToolCall",
-    "ToolChoice",
-    "load",
-    "pairs",
-    "pull_models",
-]
+# names are imported on first use, so that `from edgespec import Stats` (a shell reading
+# statistics, a test) does not start llama.cpp
+_MODULES = {
+    "Draft": "drafters",
+    "Drafter": "drafters",
+    "ModelDrafter": "drafters",
+    "Engine": "engine",
+    "Event": "engine",
+    "Generation": "engine",
+    "EngineThread": "engine_thread",
+    "EdgespecError": "errors",
+    "PairInfo": "loader",
+    "load": "loader",
+    "pairs": "loader",
+    "pull_models": "loader",
+    "Model": "model",
+    "DraftMode": "modes",
+    "Source": "modes",
+    "Request": "request",
+    "SamplingParams": "sampling",
+    "Stats": "stats",
+    "ToolCall": "tools",
+    "ToolChoice": "tools",
+}
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module 'edgespec' has no attribute '{name}'")
+    value = getattr(import_module(f".{_MODULES[name]}", __name__), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -16,19 +16,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
-from unittest import mock
 
 import numpy as np
 
 from . import calibration
 from .engine import Engine
 from .errors import EdgespecError
+from .kernels import plain_llama
+from .modes import AUTO, DraftMode
 from .registry import tomllib
+from .request import Request
+from .sampling import SamplingParams
 from .stats import Stats
 
 PROMPTS_FILE = Path(__file__).with_name("bench_prompts.toml")
-MODES = ("off", "model", "copy", "hybrid", "auto")  # off: the target alone, as in every other place
+MODES = (DraftMode.OFF, DraftMode.MODEL, DraftMode.COPY, DraftMode.HYBRID, DraftMode.AUTO)  # OFF: the target alone
 FIXED_GAMMA = 3  # the "model" mode's draft length unless --gamma says otherwise
+GREEDY = SamplingParams(temperature=0)
 UNCONSTRAINED = "no-grammar"  # a schema class's target alone, without its schema
 # what a speculating mode's row reports of its runs' combined Stats
 SPECULATION = (
@@ -81,7 +85,7 @@ def run_bench(
     classes (default: all)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     check_selection(modes, prompts)
-    modes = [m for m in MODES if m == "off" or (m in modes and m in engine.draft_modes)]
+    modes = [m for m in MODES if m is DraftMode.OFF or (m in modes and m in engine.draft_modes)]
     if llama_baseline:
         modes.append("llama")
     fixed_gamma = gamma or FIXED_GAMMA
@@ -91,7 +95,8 @@ def run_bench(
     draft_curve = engine.cost_curve(draft_model, calibration.DRAFT_SIZES) if draft_model else None
     calibration_s = perf_counter() - start
     raw = engine.target.chat_template() is None  # a base model: the prompts as plain text
-    engine.generate("Hello", temperature=0, max_tokens=8, raw=raw)  # warm-up: first decodes are slow
+    engine.generate(Request("Hello", GREEDY, max_tokens=8, raw=raw))  # warm-up: first decodes are slow
+    engine.upkeep()
     llama = _LlamaBaseline(engine) if llama_baseline else None
 
     rows = []
@@ -102,28 +107,28 @@ def run_bench(
         for r in range(repeats):
             for mode in class_modes if r % 2 == 0 else class_modes[::-1]:  # alternate the order between repeats
                 engine.forget()  # every run evaluates its prompt afresh: prefill is timed too
-                if mode == "llama":
-                    runs[mode].append(llama.run(engine.prompt_tokens(prompt["text"], raw=raw), max_tokens))
-                    continue
-                alone = mode in ("off", UNCONSTRAINED)
-                stats = engine.generate(
+                request = Request(
                     prompt["text"],
-                    temperature=0,
+                    GREEDY,
                     max_tokens=max_tokens,
-                    speculative=not alone,
-                    draft_mode=None if alone else mode,
-                    gamma=fixed_gamma if mode == "model" else "auto",
+                    raw=raw,
+                    draft_mode=mode if mode in MODES else DraftMode.OFF,  # (llama: only its prompt is used)
+                    gamma=fixed_gamma if mode is DraftMode.MODEL else AUTO,
                     prediction=prompt.get("prediction"),
                     json_schema=schema if mode != UNCONSTRAINED else None,
-                    raw=raw,
-                ).stats
+                )
+                if mode == "llama":
+                    runs[mode].append(llama.run(engine.prompt_tokens(request), max_tokens))
+                    continue
+                stats = engine.generate(request).stats
+                engine.upkeep()  # between runs, as an idle engine would: not inside the next one's timing
                 runs[mode].append(stats)
                 log(
                     f"  {prompt['name']:<10} {mode:<6} run {r + 1}: {stats.n_tokens} tokens, "
                     f"{stats.tokens_per_s:6.2f} tok/s"
                 )
         rows.append(_rows(prompt["name"], runs) | {"ceiling": _ceiling(verify_curve)})
-        if "auto" in runs:
+        if DraftMode.AUTO in runs:
             rows[-1] |= _against_best_fixed(rows[-1]["modes"])
     return {
         "target": engine.target.path.name,
@@ -193,28 +198,19 @@ class _LlamaBaseline:
     threads: the yardstick for our target-alone loop."""
 
     def __init__(self, engine: Engine) -> None:
-        import llama_cpp.llama_cpp as lib
-        from llama_cpp import Llama
         from llama_cpp._logger import logger
 
         t = self.target = engine.target
         level = logger.level  # Llama() sets its own log level: keep ours (quiet unless EDGESPEC_VERBOSE)
-
-        def model_params():  # Llama() has no repack setting: the kernels our target runs (kernels.py)
-            params = default_params()
-            params.use_extra_bufts = t.repack
-            return params
-
-        default_params = lib.llama_model_default_params
-        with mock.patch.object(lib, "llama_model_default_params", model_params):
-            self.llm = Llama(
-                model_path=str(t.path),
-                n_ctx=t.n_ctx,
-                n_threads=t.n_threads,
-                n_threads_batch=t.n_threads,
-                flash_attn=t.flash_attn,
-                verbose=False,
-            )
+        self.llm = plain_llama(
+            t.path,
+            t.repack,
+            n_ctx=t.n_ctx,
+            n_threads=t.n_threads,
+            n_threads_batch=t.n_threads,
+            flash_attn=t.flash_attn,
+            verbose=False,
+        )
         logger.setLevel(level)
 
     def run(self, tokens: list[int], max_tokens: int) -> LlamaRun:

@@ -60,10 +60,22 @@ def _key(model: Model, sizes) -> str:
 # --- measuring --------------------------------------------------------------------
 
 
-def _time(model: Model, k: int, tries: int) -> float:
-    """Fastest of `tries` passes over k tokens (other load only ever adds time) on top of
-    what the cache holds, which is left as it was (a conversation's cache survives a
-    re-check); an empty cache first gets a short dummy prefix."""
+class Timer:
+    """Times a model's passes for the calibration (measure, recheck and choose_flash_attn
+    take one; tests give their own): timer(model, k, tries) is the fastest of `tries` passes
+    over k tokens (other load only ever adds time) on top of what the cache holds, which is
+    left as it was (a conversation's cache survives a re-check); an empty cache first gets a
+    short dummy prefix."""
+
+    def __init__(self) -> None:
+        # points timed while choosing flash attention, reused by measure() (keyed by _key(model, ()))
+        self.probed: dict[str, dict[int, float]] = {}
+
+    def __call__(self, model: Model, k: int, tries: int) -> float:
+        return _time_passes(model, k, tries)
+
+
+def _time_passes(model: Model, k: int, tries: int) -> float:
     if not model.tokens:
         model.eval([0] * PROBE_DEPTH)
         model.checkpoint(1)
@@ -82,28 +94,27 @@ def _time(model: Model, k: int, tries: int) -> float:
     return best
 
 
-# points timed in this process while choosing flash attention, reused by measure()
-_probed: dict[str, dict[int, float]] = {}
+TIMER = Timer()  # this process's
 
 
-def measure(model: Model, sizes) -> CostCurve:
+def measure(model: Model, sizes, timer: Timer = TIMER) -> CostCurve:
     """Time each size: the single step a few times, the others once, and again (keeping
     the fastest) where a pass cost more than its tokens one at a time would. The single
     step is timed again at the end: if the machine's load changed meanwhile (the two
     differ by DISTURBED, or a pass had to be timed again), every point is due for a
     re-check at once, so a curve taken on a busy machine is renewed over the next answers."""
     sizes = [k for k in sizes if PROBE_DEPTH + k < model.n_ctx]
-    known = _probed.get(_key(model, ()), {})
-    points = {k: known[k] if k in known else _time(model, k, 3 if k == 1 else 1) for k in sizes}
+    known = timer.probed.get(_key(model, ()), {})
+    points = {k: known[k] if k in known else timer(model, k, 3 if k == 1 else 1) for k in sizes}
     disturbed = False
     for k in sizes:
         for _ in range(MEASURE_RETRIES):
             if k == 1 or points[k] <= pass_bound(k, points[1]):
                 break
             disturbed = True
-            points[k] = min(points[k], _time(model, k, 1))
+            points[k] = min(points[k], timer(model, k, 1))
     if 1 in points:
-        again = _time(model, 1, 3)
+        again = timer(model, 1, 3)
         disturbed |= abs(again - points[1]) > DISTURBED * min(again, points[1])
         points[1] = min(points[1], again)
     curve = CostCurve(points)
@@ -112,7 +123,7 @@ def measure(model: Model, sizes) -> CostCurve:
     return curve
 
 
-def load_or_measure(model: Model, sizes=TARGET_SIZES) -> CostCurve:
+def load_or_measure(model: Model, sizes=TARGET_SIZES, timer: Timer = TIMER) -> CostCurve:
     """The cached curve for this model on this machine, or a fresh measurement."""
     cached = store.read().get(_key(model, sizes))
     if cached:
@@ -120,7 +131,7 @@ def load_or_measure(model: Model, sizes=TARGET_SIZES) -> CostCurve:
             return CostCurve.from_json(cached)
         except (KeyError, TypeError, ValueError):
             pass  # written by an older version: measure again
-    curve = measure(model, sizes)
+    curve = measure(model, sizes, timer)
     save(model, sizes, curve)
     return curve
 
@@ -166,27 +177,27 @@ def save(model: Model, sizes, curve: CostCurve) -> None:
     store.write(_key(model, sizes), curve.to_json())
 
 
-def recheck(curves: list[tuple[Model, CostCurve]], *, every: bool = False) -> None:
+def recheck(curves: list[tuple[Model, CostCurve]], *, every: bool = False, timer: Timer = TIMER) -> None:
     """Measure again what is due (CostCurve.due: a point a curve), alternating between the
     models so that both see the same load; every: until nothing is due."""
     while plans := [(model, curve, k) for model, curve in curves if (k := curve.due()) is not None]:
-        _recheck(plans)
+        _recheck(plans, timer)
         if not every:
             return
 
 
-def _recheck(plans: list[tuple[Model, CostCurve, int]]) -> None:
+def _recheck(plans: list[tuple[Model, CostCurve, int]], timer: Timer) -> None:
     steps: list[list[float]] = [[] for _ in plans]
-    passes = [_time(model, k, 1) for model, _, k in plans]
+    passes = [timer(model, k, 1) for model, _, k in plans]
     for _ in range(2):  # the cheap single step twice (the faster counts)
         for (model, _, _), times in zip(plans, steps, strict=True):
-            times.append(_time(model, 1, 1))
+            times.append(timer(model, 1, 1))
     for (_, curve, k), times, seconds in zip(plans, steps, passes, strict=True):
         if not math.isnan(step := min(times)):  # NaN: no room left in the context
             curve.recheck(step, k, seconds)
 
 
-def choose_flash_attn(model: Model) -> bool:
+def choose_flash_attn(model: Model, timer: Timer = TIMER) -> bool:
     """Flash attention on or off, whichever decodes and verifies faster on this machine
     (measured once, cached; see FLASH_MARGIN): it wins on some CPUs and loses on others.
     Leaves the model's context set to the choice. Chosen again after FLASH_RECHECK_S, in
@@ -200,8 +211,8 @@ def choose_flash_attn(model: Model) -> bool:
         points = {}
         for flash_attn in (True, False):
             model.set_flash_attn(flash_attn)
-            points[flash_attn] = {k: _time(model, k, 3 if k == 1 else 1) for k in FLASH_PROBE_SIZES}
-            _probed[_key(model, ())] = points[flash_attn]
+            points[flash_attn] = {k: timer(model, k, 3 if k == 1 else 1) for k in FLASH_PROBE_SIZES}
+            timer.probed[_key(model, ())] = points[flash_attn]
         on = all(points[True][k] < (1 - FLASH_MARGIN) * points[False][k] for k in FLASH_PROBE_SIZES)
         choice = {"on": on, "checked_at": time.time()}
         store.write(key, choice)

@@ -7,12 +7,12 @@ import json
 import logging
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
-from .controller import MODES, check_mode
 from .errors import EdgespecError
+from .modes import MODES, DraftMode, check_mode
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB
+from .request import Request
 from .sampling import DEFAULT, SamplingParams
 
 TEMPERATURE_HELP = f"0 = greedy (default {DEFAULT.temperature:g})"
@@ -37,7 +37,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--draft-mode",
-        choices=MODES,
+        choices=[m.value for m in MODES],
         default="auto",
         help="auto (choose per round, default), model, copy, hybrid or off",
     )
@@ -52,16 +52,21 @@ def _gamma(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
-def _check(args: argparse.Namespace) -> None:
-    """Fail on bad settings before any model is loaded, so a typo costs no load time."""
-    from .engine import check_gamma, check_max_tokens
-
+def _request(args: argparse.Namespace, prompt: str = "", **reading) -> Request:
+    """The request the arguments describe (checked as any request is), so that a typo fails
+    before any model is loaded and costs no load time. reading: what was read from files."""
     check_mode(args.draft_mode, has_model=args.target is None or args.draft is not None)
-    if isinstance(args.gamma, int):
-        check_gamma(args.gamma)
-    if hasattr(args, "max_tokens"):
-        check_max_tokens(args.max_tokens)
-    SamplingParams(**{k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p") if hasattr(args, k)})
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "seed") if hasattr(args, k)}
+    return Request(
+        prompt,
+        SamplingParams(**sampling),
+        max_tokens=getattr(args, "max_tokens", None),
+        stop=getattr(args, "stop", ()),
+        raw=getattr(args, "raw", False),
+        draft_mode=DraftMode.OFF if getattr(args, "no_draft", False) else None,  # else the engine's (--draft-mode)
+        gamma=args.gamma,
+        **reading,
+    )
 
 
 def _load(args: argparse.Namespace):
@@ -83,23 +88,15 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    _check(args)
-    sampling = asdict(SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed))
-    prediction = _read_text(args.prediction, "prediction")
-    grammar = _read_text(args.grammar, "grammar")
-    json_schema = _read_text(args.json_schema, "JSON schema")
+    request = _request(
+        args,
+        args.prompt,
+        prediction=_read_text(args.prediction, "prediction"),
+        grammar=_read_text(args.grammar, "grammar"),
+        json_schema=_read_text(args.json_schema, "JSON schema"),
+    )
     with _load(args) as engine:
-        events = engine.stream(
-            args.prompt,
-            prediction=prediction,
-            grammar=grammar,
-            json_schema=json_schema,
-            max_tokens=args.max_tokens,
-            speculative=not args.no_draft,
-            stop=args.stop,
-            raw=args.raw,
-            **sampling,
-        )
+        events = engine.stream(request)
         text, tokens = [], []
         for event in events:
             if args.json:
@@ -110,11 +107,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if not event.done:
                 tokens.append(event.token)
         stats = event.stats
-    if args.json:
-        print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": stats.as_dict()}))
-    else:
-        print(file=sys.stderr)
-        print(f"[{stats.mode}] {stats.summary()}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": stats.as_dict()}))
+        else:
+            print(file=sys.stderr)
+            print(f"[{stats.mode}] {stats.summary()}", file=sys.stderr)
+        sys.stdout.flush()
+        engine.upkeep()  # the answer is out: time again what it found stale, for the next run
     if stats.finish_reason == "context":
         print(
             f"edgespec: the context ({engine.target.n_ctx} tokens) is full; the answer was cut (raise --ctx)",
@@ -145,7 +144,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from .registry import cache_dir, cached_path, load_registry
+    from .cache import cache_dir
+    from .registry import cached_path, load_registry
 
     registry = load_registry()
     print(f"models (cache: {cache_dir() / 'models'})")
@@ -162,7 +162,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from tui.app import run
 
-    _check(args)
+    _request(args)
     run(
         pair=args.pair,
         target=args.target,
@@ -182,7 +182,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    _check(args)
+    _request(args)
     if args.repeats < 1:
         raise EdgespecError(f"repeats must be >= 1, got {args.repeats}")
     modes = args.modes.split(",") if args.modes else bench.MODES
@@ -210,7 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .registry import load_registry
     from .server import Api, Worker, listen, serve
 
-    _check(args)
+    _request(args)
     sock = listen(args.host, args.port)  # before loading: a port in use costs no load time
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     worker = Worker(lambda: _load(args))  # the engine lives on the worker's thread

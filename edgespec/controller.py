@@ -25,31 +25,19 @@ drafter switched off for losing is tried again later.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .calibration import CostCurve
 from .cost_curve import RollbackCost, expected_tokens
-from .drafters import SOURCE_NAMES as COPY_SOURCES
 from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter
-from .errors import EdgespecError
 from .grammar import Grammar
+from .modes import DraftMode, Source, check_mode
 from .prompt_cache import common_prefix
 from .sampling import SamplingParams
 from .stats import RoundTiming
 
-MODES = ("auto", "model", "copy", "hybrid", "off")
-# the drafters each mode may draw on; a controller keeps only those that exist, so a plan
-# for a missing drafter cannot be made (auto without a draft model: copy or nothing)
-# (copy also names the free drafts: copies and, under a grammar, the text it forces)
-MODE_SOURCES = {
-    "auto": ("copy", "grammar", "model"),
-    "model": ("model",),
-    "copy": ("copy", "grammar"),
-    "hybrid": ("copy", "grammar", "model"),
-    "off": (),
-}
 MODEL_PRIOR_ALPHA = 0.7
 GRAMMAR_PRIOR_ALPHA = 0.9  # forced text is certain; only the target's split of it into tokens may differ
 MODEL_GATE_ALPHA = 0.9  # auto mode runs the draft model only where it would pay at this α (a good pair's on code)
@@ -70,12 +58,10 @@ MAX_MODEL_GAMMA = 12
 MAX_COPY_DRAFT = 64
 SLOW_START = 2  # longest draft before any evidence; +4 per recently accepted token
 HYBRID_MIN_MATCH = 5  # hybrid mode: a copy backed by this many agreeing tokens is confident enough to use
+ALL = "all"  # the live cost of every kind of round together
 
 
-FREE_SOURCES = (*COPY_SOURCES, "grammar")
-
-
-@dataclass
+@dataclass(frozen=True)
 class ForcedText:
     """A grammar's forced draft, to be compared with what the target then wrote."""
 
@@ -90,38 +76,23 @@ class ForcedText:
         return agreed, agreed + (agreed < len(written))
 
 
-MODEL_MODES = ("model", "hybrid")  # the modes that need a draft model
-
-
-def draft_modes(*, has_model: bool) -> tuple[str, ...]:
-    """The draft modes an engine can speculate with: without a draft model, those that need none."""
-    return tuple(m for m in MODES if m != "off" and (has_model or m not in MODEL_MODES))
-
-
-def check_mode(mode: str, *, has_model: bool) -> None:
-    if mode not in MODES:
-        raise EdgespecError(f"unknown draft mode '{mode}'; use one of {', '.join(MODES)}")
-    if mode in MODEL_MODES and not has_model:
-        raise EdgespecError(f"draft mode '{mode}' needs a draft model; give a pair or --draft, or use copy")
-
-
 @dataclass(frozen=True)
 class CopyKey:
     """Copies are tracked by how many tokens back their alignment (1-3, 4-15, 16-31, 32+):
     a fresh short anchor fails far more often than a copy that has held for 30 tokens."""
 
-    source: str  # "copy" or "prediction"
+    source: Source  # COPY or PREDICTION
     bucket: int  # the COPY_BUCKETS key its evidence falls in
 
     @classmethod
-    def of(cls, source: str, evidence: int) -> CopyKey:
+    def of(cls, source: Source, evidence: int) -> CopyKey:
         return cls(source, next(bucket for bucket, below in COPY_BUCKETS if evidence < below))
 
     def __str__(self) -> str:  # as Stats.alpha_by_source names it: "copy2", "prediction64", ...
         return f"{self.source}{self.bucket}"
 
 
-AcceptanceKey = str | CopyKey  # whose acceptance rate: "model", "grammar", or a copy's CopyKey
+AcceptanceKey = Source | CopyKey  # whose acceptance rate: MODEL, GRAMMAR, or a copy's CopyKey
 
 
 def prior_alpha(key: AcceptanceKey) -> float:
@@ -129,7 +100,7 @@ def prior_alpha(key: AcceptanceKey) -> float:
     longer its alignment has held (0.57 for a fresh anchor, 0.84, 0.96, then ~1)."""
     if isinstance(key, CopyKey):
         return min(COPY_MAX_PRIOR, 1 - 0.5 * 0.85 ** (key.bucket - 1))
-    return {"model": MODEL_PRIOR_ALPHA, "grammar": GRAMMAR_PRIOR_ALPHA}[key]
+    return {Source.MODEL: MODEL_PRIOR_ALPHA, Source.GRAMMAR: GRAMMAR_PRIOR_ALPHA}[key]
 
 
 @dataclass
@@ -202,17 +173,24 @@ class LiveCost:
 
 @dataclass
 class Plan:
+    """A round's choice: what to draft and how much, and what that promised."""
+
     rate: float  # tokens per second it promises under this round's draw of α (what plans compete on)
-    source: str  # "off", "model", "copy", "prediction" or "grammar"
+    source: Source
     gamma: int
     draft: Draft | None = None  # a copy draft is made while planning (it is free)
-    key: AcceptanceKey = ""  # whose acceptance rate
+    key: AcceptanceKey | None = None  # whose acceptance rate
     expected_rate: float | None = None  # under the posterior mean of α (default: rate)
     alpha: float = 1.0  # the posterior mean of α the plan was made with
+    forced: ForcedText | None = None  # the grammar's forced text this round, drafted or not
+    rng_state: dict | None = None  # the Thompson draws' generator after this plan's draw
 
     def __post_init__(self) -> None:
         if self.expected_rate is None:
             self.expected_rate = self.rate
+
+
+NO_DRAFT = Plan(0.0, Source.OFF, 0)
 
 
 def _draft_again(step: float):
@@ -222,7 +200,9 @@ def _draft_again(step: float):
 
 
 class Controller:
-    """Chooses, each round, what to draft (see the module docstring).
+    """Chooses, each round, what to draft (see the module docstring), and learns from the
+    round: plan() has no side effects; draft() makes the plan's draft; observe() takes in
+    everything the round taught (acceptance, live costs, where the copy is, forced text).
 
     mode: auto (any drafter or none, per round), model, copy, hybrid (a copy when
     one is confident, else the model), off. gamma: a fixed draft length,
@@ -231,7 +211,7 @@ class Controller:
 
     def __init__(
         self,
-        mode: str,
+        mode: DraftMode | str,
         gamma: int | None,
         verify_cost: CostCurve | None,
         draft_step_cost: CostCurve | None,
@@ -241,23 +221,20 @@ class Controller:
         verify_rollback: RollbackCost | None = None,
         draft_rollback: RollbackCost | None = None,
     ) -> None:
-        """verify_rollback, draft_rollback: what cutting back the target's and the draft
-        model's recurrent states costs (None: attention alone, a cut is free)."""
-        check_mode(mode, has_model=model is not None)
-        self.mode, self.gamma = mode, gamma
-        self.adaptive = mode == "auto" or gamma is None
+        """copy: this request's copy drafter; verify_rollback, draft_rollback: what cutting back
+        the target's and the draft model's recurrent states costs (None: attention alone, a cut is free)."""
+        self.mode, self.gamma = check_mode(mode, has_model=model is not None), gamma
+        self.adaptive = self.mode is DraftMode.AUTO or gamma is None
         self.V, self.draft_step = verify_cost, draft_step_cost
         self.verify_rollback, self.draft_rollback = verify_rollback, draft_rollback
-        available = {"model": model, "copy": copy, "grammar": forced}
+        available = {Source.MODEL: model, Source.COPY: copy, Source.GRAMMAR: forced}
         # the drafters this controller may plan for: only those the mode allows and that exist
-        self.drafters = {s: available[s] for s in MODE_SOURCES[mode] if available[s] is not None}
-        if mode == "auto" and "model" in self.drafters and not self._model_can_pay(MODEL_GATE_ALPHA):
-            del self.drafters["model"]  # it would lose here whatever it drafts: not run, not prefilled
+        self.drafters = {s: available[s] for s in self.mode.sources if available[s] is not None}
+        if self.mode is DraftMode.AUTO and Source.MODEL in self.drafters and not self._model_can_pay(MODEL_GATE_ALPHA):
+            del self.drafters[Source.MODEL]  # it would lose here whatever it drafts: not run, not prefilled
         self.acceptance: dict[AcceptanceKey, Acceptance] = {}
-        self.live: dict[str, LiveCost] = {}  # per kind of round (Plan.source) and "all"
-        self.last: Plan = Plan(0.0, "off", 0)
+        self.live: dict[Source | str, LiveCost] = {}  # per kind of round (Plan.source) and ALL
         self.predicted = Prediction()
-        self._forced: ForcedText | None = None  # the grammar's forced draft of the last round, drafted or not
         self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
 
     def prefill(self, context: list[int]) -> None:
@@ -272,7 +249,7 @@ class Controller:
 
     def costs_look_stale(self) -> bool:
         """Whether this request's rounds ran far faster than the cost curves say (STALE_RATIO)."""
-        seen = self.live.get("all")
+        seen = self.live.get(ALL)
         return seen is not None and seen.rounds >= STALE_ROUNDS and seen.ratio < STALE_RATIO
 
     def off_rate(self) -> float:
@@ -293,31 +270,33 @@ class Controller:
 
     def acceptance_of(self, key: AcceptanceKey) -> Acceptance:
         """The acceptance rate learnt for `key` (from its prior, if nothing yet)."""
-        if key not in self.acceptance:
-            self.acceptance[key] = Acceptance(prior_alpha(key))
-        return self.acceptance[key]
+        return self.acceptance.setdefault(key, Acceptance(prior_alpha(key)))
 
-    def cost(self, source: str, gamma: int, alpha: float = 1.0) -> float:
+    def _acceptance(self, key: AcceptanceKey) -> Acceptance:
+        """What is learnt for `key`, without keeping anything (for planning)."""
+        return self.acceptance.get(key) or Acceptance(prior_alpha(key))
+
+    def cost(self, source: Source, gamma: int, alpha: float = 1.0) -> float:
         """Expected seconds of a round whose drafts are accepted at rate alpha: a copy is free,
         a model draft is not; as its kind of round has really been running in this request (LiveCost)."""
-        return self.planned_cost(source, gamma, alpha) * self._live(source).ratio_toward(self._live("all").ratio)
+        return self.planned_cost(source, gamma, alpha) * self._live(source).ratio_toward(self._live(ALL).ratio)
 
-    def planned_cost(self, source: str, gamma: int, alpha: float = 1.0) -> float:
+    def planned_cost(self, source: Source, gamma: int, alpha: float = 1.0) -> float:
         """A round's expected seconds by the cost curves alone."""
-        return self.model_cost(gamma, alpha) if source == "model" else self.verify_cost(gamma, alpha)
+        return self.model_cost(gamma, alpha) if source is Source.MODEL else self.verify_cost(gamma, alpha)
 
-    def round_cost(self, source: str, gamma: int, accepted: int) -> float:
+    def round_cost(self, source: Source, gamma: int, accepted: int) -> float:
         """What a finished round should have cost by the curves, given what it kept."""
-        step = self.draft_step(1) if source == "model" and self.draft_step else 0.0
+        step = self.draft_step(1) if source is Source.MODEL and self.draft_step else 0.0
         cost = gamma * step + self.V(gamma + 1)
         if self.verify_rollback is not None and gamma:
             cost += self.verify_rollback.of_round(gamma, accepted, self.V)
-        if self.draft_rollback is not None and source == "model" and gamma:
+        if self.draft_rollback is not None and source is Source.MODEL and gamma:
             cost += self.draft_rollback.of_round(gamma, accepted, _draft_again(step))
         return cost
 
-    def _live(self, source: str) -> LiveCost:
-        return self.live.setdefault(source, LiveCost())
+    def _live(self, kind: Source | str) -> LiveCost:
+        return self.live.get(kind) or LiveCost()
 
     def _gammas(self, longest: int, cut_short: bool = False) -> list[int]:
         """Draft lengths worth planning: those whose verify pass has a size the cost curve
@@ -327,20 +306,20 @@ class Controller:
             return list(range(1, longest + 1))
         return sorted({k - 1 for k in self.V.sizes(longest + 1) if k > 1} | ({longest} if cut_short else set()))
 
-    def _best(self, source: str, key: str, gammas, evidence: int = 0) -> Plan:
+    def _best(self, source: Source, key: AcceptanceKey, gammas, evidence: int = 0, rng=None) -> Plan:
         """γ that the posterior mean of α says is best; the plan then competes with the
-        others (and with no draft) at its rate under a posterior draw of α (Thompson
-        sampling), so a drafter with little evidence gets tried now and then."""
-        acceptance = self.acceptance_of(key)
+        others (and with no draft) at its rate under a posterior draw of α from `rng`
+        (Thompson sampling), so a drafter with little evidence gets tried now and then."""
+        acceptance = self._acceptance(key)
         # slow start: a long draft on little evidence costs a lot when it fails at once, so γ
         # may only grow with the tokens this drafter has had accepted lately (or, for a copy,
         # with the tokens its alignment has held for)
         gammas = [g for g in gammas if g <= SLOW_START + 4 * max(acceptance.accepted, evidence)] or [min(gammas)]
         alpha = acceptance.alpha
         expected, gamma = max((expected_tokens(alpha, g) / self.cost(source, g, alpha), g) for g in gammas)
-        if source != "model":  # a copy needs no exploring: its evidence grows for free while the target agrees
+        if rng is None:  # a copy needs no exploring: its evidence grows for free while the target agrees
             return Plan(expected, source, gamma, key=key, alpha=alpha)
-        drawn = acceptance.sample(self._rng)
+        drawn = acceptance.sample(rng)
         rate = expected_tokens(drawn, gamma) / self.cost(source, gamma, drawn)
         return Plan(rate, source, gamma, key=key, expected_rate=expected, alpha=alpha)
 
@@ -356,56 +335,58 @@ class Controller:
         return plan
 
     def plan(self, context: list[int], room: int, grammar: Grammar | None = None) -> Plan:
-        """The round's plan; a copy or forced plan carries its draft already. Under a
-        grammar, a copy is cut where the grammar forbids it (the rest would be rejected)."""
-        if room <= 0 or self.mode == "off":
-            return Plan(0.0, "off", 0)
+        """The round's plan, learning nothing (observe() does): a copy or forced plan carries
+        its draft already. Under a grammar (in its state after `context`), a copy is cut where
+        the grammar forbids it (the rest would be rejected)."""
+        if room <= 0 or self.mode is DraftMode.OFF:
+            return NO_DRAFT
         fixed = self.gamma
         candidates = []
         if self.adaptive:
-            off_rate = 1.0 / self.cost("off", 0)
-            candidates.append(Plan((1 + MIN_GAIN) * off_rate, "off", 0, expected_rate=off_rate))
+            off_rate = 1.0 / self.cost(Source.OFF, 0)
+            candidates.append(Plan((1 + MIN_GAIN) * off_rate, Source.OFF, 0, expected_rate=off_rate))
         confident_copy = False
-        if copy := self.drafters.get("copy"):
+        if copy := self.drafters.get(Source.COPY):
             lookup = copy.draft(context, min(room, fixed or MAX_COPY_DRAFT))
             if grammar is not None:
                 lookup.tokens = grammar.allowed_prefix(lookup.tokens)
-            # every token the target wrote while a copy was aligned says whether the copy was
-            # right: α per evidence level is learnt from all of them, drafted or not
-            for outcome in copy.take_outcomes():
-                self.acceptance_of(CopyKey.of(outcome.source, outcome.evidence)).observe(outcome.matched, 1)
-            confident_copy = bool(lookup.tokens) and (self.mode != "hybrid" or copy.evidence >= HYBRID_MIN_MATCH)
+            hybrid = self.mode is DraftMode.HYBRID
+            confident_copy = bool(lookup.tokens) and (not hybrid or copy.evidence >= HYBRID_MIN_MATCH)
             if confident_copy:
                 key = CopyKey.of(lookup.source, copy.evidence)
                 candidates.append(self._free_plan(lookup, key, copy.evidence, len(lookup.tokens) < MAX_COPY_DRAFT))
-        if self._forced is not None:  # forced text is free to make: its α is learnt every round, drafted or not
-            self.acceptance_of("grammar").observe(*self._forced.outcome(context))
-            self._forced = None
-        if grammar is not None and (forced := self.drafters.get("grammar")):
+        forced_text, rng_state = None, None  # forced text is free to make: its α is learnt every round, drafted or not
+        if grammar is not None and (forced := self.drafters.get(Source.GRAMMAR)):
             text = forced.draft(context, min(room, fixed or MAX_COPY_DRAFT), grammar=grammar)
             if text.tokens:
-                self._forced = ForcedText(text.tokens, len(context))
-                candidates.append(self._free_plan(text, "grammar", len(text.tokens), True))
+                forced_text = ForcedText(text.tokens, len(context))
+                candidates.append(self._free_plan(text, Source.GRAMMAR, len(text.tokens), True))
         # hybrid: the model only where the lookup has no confident match
-        if "model" in self.drafters and not (self.mode == "hybrid" and confident_copy):
+        if Source.MODEL in self.drafters and not (self.mode is DraftMode.HYBRID and confident_copy):
             gammas = [min(fixed, room)] if fixed else self._gammas(min(MAX_MODEL_GAMMA, room), room < MAX_MODEL_GAMMA)
-            plan = self._best("model", "model", gammas) if self.adaptive else Plan(1.0, "model", gammas[0], key="model")
-            candidates.append(plan)
-        return max(candidates, key=lambda p: p.rate) if candidates else Plan(0.0, "off", 0)
+            if self.adaptive:  # the draw comes from a copy of the generator; observe() moves the real one on
+                rng = np.random.Generator(type(self._rng.bit_generator)())
+                rng.bit_generator.state = self._rng.bit_generator.state
+                candidates.append(self._best(Source.MODEL, Source.MODEL, gammas, rng=rng))
+                rng_state = rng.bit_generator.state
+            else:
+                candidates.append(Plan(1.0, Source.MODEL, gammas[0], key=Source.MODEL))
+        if not candidates:
+            return NO_DRAFT
+        return replace(max(candidates, key=lambda p: p.rate), forced=forced_text, rng_state=rng_state)
 
-    def propose(
+    def draft(
         self,
+        plan: Plan,
         context: list[int],
-        room: int,
         params: SamplingParams,
         rng: np.random.Generator,
         grammar: Grammar | None = None,
     ) -> Draft:
-        """This round's draft (possibly empty: speculation off for the round); under
-        `grammar` (in its state after `context`), one the grammar allows."""
-        plan = self.last = self.plan(context, room, grammar)
-        if plan.source == "off":
-            return Draft([], None, source="off")
+        """The plan's draft (possibly empty: speculation off for the round); under `grammar`
+        (in its state after `context`), one the grammar allows."""
+        if plan.source is Source.OFF:
+            return Draft([], None, source=Source.OFF)
         if plan.draft is not None:
             return plan.draft
         stop_below = ()
@@ -416,26 +397,36 @@ class Controller:
             stop_below = [plan.rate * (step + self.V(i + 2) - self.V(i + 1)) for i in range(plan.gamma)]
         return self.drafters[plan.source].draft(context, plan.gamma, params, rng, stop_below, grammar=grammar)
 
-    def observe(self, draft: Draft, n_accepted: int, timing: RoundTiming, plan: Plan | None = None) -> None:
-        """Learn from a finished round, drafted by `plan` (default: the last one propose()
-        made): acceptance and the real costs."""
-        plan = plan or self.last
+    def observe(self, plan: Plan, draft: Draft, n_accepted: int, timing: RoundTiming, context: list[int]) -> None:
+        """Learn from a finished round: `plan`'s `draft`, of which the target kept n_accepted,
+        took `timing`; `context` is the sequence after it. Its acceptance, the real costs,
+        the draws the plan used, and what the free drafters see in the new tokens."""
+        if plan.rng_state is not None:
+            self._rng.bit_generator.state = plan.rng_state
         if self.V is not None and plan.rate > 0:  # on the costs the plan was made with; in
             # steps, so the machine's drift is no part of the prediction (a round without a draft: 1 for 1)
             seconds = self.cost(plan.source, plan.gamma, plan.alpha)
             self.predicted.tokens += plan.expected_rate * seconds
-            self.predicted.steps += seconds / self.cost("off", 0)
+            self.predicted.steps += seconds / self.cost(Source.OFF, 0)
         for learnt in (*self.acceptance.values(), *self.live.values()):
             learnt.decay()
-        if draft.tokens and draft.source not in FREE_SOURCES:  # free drafts learn from every round (plan())
+        source = Source(draft.source)
+        if draft.tokens and not source.free:  # free drafts learn from every token (below)
             self.acceptance_of(plan.key).observe(n_accepted, len(draft.tokens))
         if self.V is not None:
-            planned = self.round_cost(draft.source, len(draft.tokens), n_accepted)
-            for kind in (draft.source, "all"):
-                self._live(kind).observe(timing.total, planned)
+            planned = self.round_cost(source, len(draft.tokens), n_accepted)
+            for kind in (source, ALL):
+                self.live.setdefault(kind, LiveCost()).observe(timing.total, planned)
             self.V.observe(len(draft.tokens) + 1, timing.verify)
-            if draft.source == "model" and draft.tokens and self.draft_step is not None:
+            if source is Source.MODEL and draft.tokens and self.draft_step is not None:
                 self.draft_step.observe(1, timing.draft / len(draft.tokens))
+        if copy := self.drafters.get(Source.COPY):
+            # every token the target wrote while a copy was aligned says whether the copy was
+            # right: α per evidence level is learnt from all of them, drafted or not
+            for outcome in copy.follow(context):
+                self.acceptance_of(CopyKey.of(outcome.source, outcome.evidence)).observe(outcome.matched, 1)
+        if plan.forced is not None:
+            self.acceptance_of(Source.GRAMMAR).observe(*plan.forced.outcome(context))
 
     def alphas(self) -> dict[str, float]:
         """The acceptance rate learnt per drafter (and per copy evidence level), for Stats."""

@@ -16,10 +16,12 @@ import numpy as np
 
 from .grammar import MAX_FORCED_CHARS, Grammar
 from .model import Model
+from .modes import Source
 from .sampling import SamplingParams, constrained, constrained_argmax, distribution, sample
 
 CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
-SOURCE_NAMES = ("copy", "prediction")  # what a copy draft reports as its source, per source
+SOURCE_NAMES = (Source.COPY, Source.PREDICTION)  # what a copy draft reports as its source, per source
+NGRAM_SIZES = (16, 8, 5, 3)  # the n-grams a copy is anchored on, longest first
 # re-anchoring after the target left the source: its last k tokens are looked for this far
 # (in source tokens) from where the pointer was lost; one token alone only very near
 LOCAL_REACH = ((3, 256), (2, 32), (1, 4))
@@ -37,7 +39,7 @@ class Draft:
     # (len(tokens), V) distributions the tokens were sampled from; None means each
     # token is a point mass (deterministic drafts, and every greedy draft)
     q: np.ndarray | None = None
-    source: str = "model"  # which kind of drafter made it: acceptance is tracked per source
+    source: Source = Source.MODEL  # which kind of drafter made it: acceptance is tracked per source
 
 
 class Drafter(Protocol):
@@ -106,7 +108,7 @@ class ModelDrafter:
             if walk is not None:
                 walk.accept(token)
             logits = model.eval([token])
-        return Draft(tokens, None if q_rows is None else q_rows[: len(tokens)], source="model")
+        return Draft(tokens, None if q_rows is None else q_rows[: len(tokens)], source=Source.MODEL)
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ class RuleInUse:
 class CopyOutcome:
     """One token the target wrote while a copy was aligned: was it what the copy expected?"""
 
-    source: str  # "copy" or "prediction"
+    source: Source  # COPY or PREDICTION
     evidence: int  # tokens the alignment had held for
     matched: bool
 
@@ -200,10 +202,26 @@ class NgramIndex:
         self.indexed = 0
 
 
+class Conversation:
+    """The conversation's tokens (prompt and answers) and their n-grams, kept from request to
+    request for the copy drafters of each: a long prompt is indexed once (20k tokens: 0.2 s)."""
+
+    def __init__(self, sizes: Sequence[int] = NGRAM_SIZES) -> None:
+        self.tokens: list[int] = []
+        self.ngrams = NgramIndex(sizes)
+
+    def continued_by(self, context: list[int]) -> bool:
+        return len(context) >= len(self.tokens) and context[: len(self.tokens)] == self.tokens
+
+    def clear(self) -> None:
+        self.tokens.clear()
+        self.ngrams.clear()
+
+
 class CopyDrafter:
     """Copies ahead from a source text, aligned to it the way a diff aligns two files.
 
-    Sources: the context (prompt and output so far) and, per request, a predicted output
+    One per request. Sources: the context (prompt and output so far) and a predicted output
     (OpenAI's Predicted Outputs: text the answer will largely repeat). A pointer into a
     source follows the target token by token; while they agree, drafts are what comes
     next there (long, up to `max_tokens`). When the target writes something else, the
@@ -212,16 +230,28 @@ class CopyDrafter:
     n-gram; failing that, on the longest n-gram match anywhere. What the target wrote in
     place of a source span becomes a substitution applied to later drafts (the source
     says `items`, the target wrote `records`: later drafts say `records`), dropped if the
-    target disagrees. Drafts are deterministic: point masses.
+    target disagrees. Drafts are deterministic: point masses. The pointer moves only in
+    prefill() and follow(); draft() reads it.
 
     `evidence` (tokens agreed since the pointer was set) tells the controller how far to trust a draft."""
 
-    def __init__(self, vocab: Model | None = None, max_tokens: int = 64, sizes: Sequence[int] = (16, 8, 5, 3)) -> None:
-        """vocab: the target (its piece() and tokenize()), to carry renames over to other tokens."""
+    def __init__(
+        self,
+        vocab: Model | None = None,
+        *,
+        prediction: Sequence[int] = (),
+        conversation: Conversation | None = None,
+        max_tokens: int = 64,
+        sizes: Sequence[int] = NGRAM_SIZES,
+    ) -> None:
+        """vocab: the target (its piece() and tokenize()), to carry renames over to other tokens;
+        conversation: the engine's, shared by its requests (default: one of this drafter's own)."""
         self.vocab = vocab
         self.max_tokens = max_tokens
-        self.sources: tuple[list[int], list[int]] = ([], [])  # the context followed so far, the prediction
-        self.indexes = (NgramIndex(sizes), NgramIndex(sizes))
+        self.conversation = conversation or Conversation(sizes)
+        self.sources: tuple[list[int], list[int]] = (self.conversation.tokens, list(prediction))
+        self.indexes = (self.conversation.ngrams, NgramIndex(self.conversation.ngrams.sizes))
+        self.indexes[PREDICTION].extend(self.sources[PREDICTION])
         self.rules = Substitutions()
         self._outcomes: list[CopyOutcome] = []
         self._reset_alignment()
@@ -236,48 +266,43 @@ class CopyDrafter:
         self.prediction_pos = 0  # how far into the prediction the target has followed
 
     # --- the Drafter protocol ---------------------------------------------------
-    def set_prediction(self, tokens: Sequence[int] | None) -> None:
-        """The predicted output of the next request (None: none); takes effect at prefill."""
-        self.sources[PREDICTION][:] = tokens or []
-        self.indexes[PREDICTION].clear()
-        self.indexes[PREDICTION].extend(self.sources[PREDICTION])
-
     def prefill(self, context: list[int]) -> None:
-        """A new request: the answer starts at the beginning of the prediction, if any."""
+        """The request's prompt: the answer starts at the beginning of the prediction, if any."""
         self._follow(context)
         self._reset_alignment()
-        self.rules.clear()
         self._outcomes.clear()
         if self.sources[PREDICTION]:  # the client says the answer will largely repeat it
             self.ptr = Pointer(PREDICTION, 0)
+        else:
+            self._anchor()
 
-    def draft(self, context, n, params=None, rng=None, stop_below=(), grammar=None) -> Draft:
+    def follow(self, context: list[int]) -> list[CopyOutcome]:
+        """Take in the tokens the context gained, moving the pointer along (and anchoring it
+        again where it was lost); what the copy expected of each of them, against what the
+        target wrote: the copy's acceptance rate, measured free."""
         self._follow(context)
         if self.ptr is None:
             self._anchor()
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    def draft(self, context, n, params=None, rng=None, stop_below=(), grammar=None) -> Draft:
+        """What the source says comes next (`context` as last followed)."""
         if self.ptr is None:
             return Draft([], None, source=SOURCE_NAMES[CONTEXT])
         return Draft(self._expected(min(n, self.max_tokens)), None, source=SOURCE_NAMES[self.ptr.source])
 
     # --- following the target ---------------------------------------------------
     def _follow(self, context: list[int]) -> None:
-        """Take in the tokens the context gained since the last call, moving the pointer along."""
         seen = self.sources[CONTEXT]
-        if len(context) < len(seen) or context[: len(seen)] != seen:  # a different conversation
-            seen.clear()
-            self.indexes[CONTEXT].clear()
+        if not self.conversation.continued_by(context):  # a different conversation
+            self.conversation.clear()
             self._reset_alignment()
         for token in context[len(seen) :]:
             seen.append(token)
             if self.ptr is not None:
                 self._step(token)
         self.indexes[CONTEXT].extend(seen)
-
-    def take_outcomes(self) -> list[CopyOutcome]:
-        """What the copy expected of each token followed since the last call, against what
-        the target wrote: the copy's acceptance rate, measured free."""
-        outcomes, self._outcomes = self._outcomes, []
-        return outcomes
 
     def _step(self, token: int) -> None:
         expected = self._peek()
@@ -424,6 +449,6 @@ class GrammarDrafter:
 
     def draft(self, context, n, params=None, rng=None, stop_below=(), grammar=None) -> Draft:
         if grammar is None or not (text := grammar.forced_text(self.max_chars)):
-            return Draft([], None, source="grammar")
+            return Draft([], None, source=Source.GRAMMAR)
         tokens = self.vocab.tokenize(text, add_special=False)
-        return Draft(grammar.allowed_prefix(tokens)[:n], None, source="grammar")
+        return Draft(grammar.allowed_prefix(tokens)[:n], None, source=Source.GRAMMAR)

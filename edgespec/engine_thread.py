@@ -4,8 +4,8 @@ llama.cpp's OpenMP builds give each thread that runs a model a thread team of it
 once the teams outnumber the cores every pass slows down (by a quarter on 2 cores,
 measured). So an engine is used from one thread only: the server and the chat app hand
 their work to an EngineThread, which runs it in order. When nothing is queued it does
-the engine's upkeep (Engine.recheck_costs), so re-timing costs never sits between an
-answer's last token and its final event, nor delays a job that is waiting.
+the engine's upkeep (Engine.upkeep: re-timing costs), so that never sits between an
+answer's last token and its return, nor delays a job that is waiting.
 
 A job that should stop early (a client gone, Esc in the chat) is told by its owner
 through a flag it reads each round; close() drops the jobs not started.
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .engine import Engine
+from .engine import Engine, Recheck
 
 
 class EngineThread:
@@ -50,8 +50,8 @@ class EngineThread:
     def _run(self) -> None:
         while True:
             engine = self.engine
-            if engine is not None and engine.recheck and self._jobs.empty():
-                engine.recheck_costs()  # idle: the engine's upkeep
+            if engine is not None and engine.recheck is not Recheck.NONE and self._jobs.empty():
+                engine.upkeep()  # idle: the engine's upkeep
                 continue
             job = self._jobs.get()
             if job is None:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import store
+from .cache import locked
 from .errors import EdgespecError
-from .registry import locked
 
 PROBE_TIMEOUT_S = 300.0  # a child this slow hangs (a cold 1.5B model loads in seconds)
 # A typical assistant's request, in the probe's passes: a 1024-token prompt, a 256-token answer.
@@ -46,6 +46,28 @@ class Probe:
     times: dict[str, float] = field(default_factory=dict)  # seconds per pass of the probe; empty if it failed
     failure: str = ""  # why it failed, e.g. "crashed (SIGSEGV)"
     crashed: bool = False  # died on a signal or hung (not a load error the parent reports itself)
+
+
+def plain_llama(path: Path, repack: bool, **options):
+    """llama-cpp-python's own Llama on `path` (bench's yardstick, the tests' reference), with
+    the kernels our Model runs: where repacked ones crash, Llama()'s default would take the
+    process down. Llama() has no repack setting and takes its model parameters from
+    llama_model_default_params(), so that gives ours while it is built."""
+    import llama_cpp.llama_cpp as lib
+    from llama_cpp import Llama
+
+    defaults = lib.llama_model_default_params
+
+    def ours():
+        params = defaults()
+        params.use_extra_bufts = repack
+        return params
+
+    lib.llama_model_default_params = ours
+    try:
+        return Llama(model_path=str(path), **options)
+    finally:
+        lib.llama_model_default_params = defaults
 
 
 def choose_repack(path: Path, n_threads: int, n_gpu_layers: int) -> bool:

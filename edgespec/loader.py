@@ -8,11 +8,11 @@ from pathlib import Path
 
 from .calibration import choose_flash_attn
 from .chat import validate_template
-from .controller import check_mode
 from .drafters import ModelDrafter
-from .engine import Engine, check_gamma
+from .engine import Engine
 from .errors import EdgespecError
 from .model import KV_MEMORY_SHARE, MAX_SNAPSHOTS, Model, check_gguf, compatibility_problem, header_chat_template
+from .modes import AUTO, check_gamma, check_mode
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .registry import cached_path, load_registry, pull, verify_cached
 
@@ -101,8 +101,7 @@ def load(
     one fails at once (the command line does, for chat prompts); otherwise it fails per request
     and raw text still works.
     Raises EdgespecError with a one-sentence reason for bad input."""
-    if gamma is not None and gamma != "auto":
-        check_gamma(gamma)
+    check_gamma(gamma)
     if pair is not None and target is not None:
         raise EdgespecError("give either a pair or a target (and draft), not both")
     if target is None:
@@ -149,5 +148,5 @@ def load(
         for model in models:
             model.close()
         raise
-    gamma = None if gamma in (None, "auto") else gamma
+    gamma = None if gamma in (None, AUTO) else gamma
     return Engine(models[0], drafter, gamma=gamma, draft_mode=draft_mode, owned=models)

@@ -1,4 +1,4 @@
-"""models.toml: known models and target/draft pairs, the model cache, and fetching.
+"""models.toml: known models and target/draft pairs, and fetching them into the model cache.
 
 A fetch never leaves a file that could be loaded unless it is complete and
 verified: bytes go to a hidden work folder in the cache folder, and the assembled
@@ -19,11 +19,11 @@ import subprocess
 import sys
 import time
 import zipfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from .cache import cache_dir, locked
 from .errors import EdgespecError
 
 if sys.version_info >= (3, 11):
@@ -77,13 +77,6 @@ class Registry:
 def user_registry_path() -> Path:
     config = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
     return Path(config) / "edgespec" / "models.toml"
-
-
-def cache_dir() -> Path:
-    if home := os.environ.get("EDGESPEC_HOME"):
-        return Path(home)
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "edgespec"
 
 
 def load_registry() -> Registry:
@@ -243,50 +236,6 @@ def _reclaim(models: Path) -> None:
         with locked(name, None, wait=False) as free:
             if free:
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-@contextmanager
-def locked(name: str, waiting: str | None, *, wait: bool = True):
-    """An exclusive lock across processes on `name` (a model file's pulls, the store's
-    writes; released by the system if the process dies). Yields whether it was taken (always, if wait)."""
-    locks = cache_dir() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{name}.lock", "a+b") as f:
-        taken = _try_lock(f)
-        if not taken and wait:
-            if waiting:
-                print(waiting, file=sys.stderr, flush=True)
-            _lock(f)
-            taken = True
-        yield taken
-
-
-if os.name == "nt":
-    import msvcrt
-
-    def _try_lock(f) -> bool:
-        try:
-            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
-            return True
-        except OSError:
-            return False
-
-    def _lock(f) -> None:
-        while not _try_lock(f):
-            time.sleep(0.5)
-
-else:
-    import fcntl
-
-    def _try_lock(f) -> bool:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-
-    def _lock(f) -> None:
-        fcntl.flock(f, fcntl.LOCK_EX)
 
 
 def _from_hub(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:

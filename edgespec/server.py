@@ -25,19 +25,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import tools
-from .controller import MODES
 from .engine import Engine, Event
 from .engine_thread import EngineThread
 from .errors import EdgespecError
+from .request import Request, RequestError, json_field
 from .stats import Stats
 
 MAX_BODY = 8 << 20  # bytes: a whole source file as a prediction fits many times over
-MAX_STOP = 16  # stop strings per request
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
 
 log = logging.getLogger("edgespec.serve")
@@ -61,13 +60,29 @@ class ApiError(Exception):
 
 @dataclass(eq=False)  # each job is itself (kept in a set)
 class Job:
-    """One generation: its parameters, and the events the worker sends back to the
-    event loop (Events, then None; or one ApiError)."""
+    """One generation: its request, how the client wants the answer, and the events the
+    worker sends back to the event loop (Events, then None; or one ApiError)."""
 
-    request: ApiRequest
+    request: Request
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
+
+    @classmethod
+    def from_openai(cls, body: dict, *, chat: bool) -> Job:
+        """The job of an OpenAI request body, or ApiError(400) naming the first field that is wrong."""
+        try:
+            request = Request.from_openai(body, chat=chat)
+            stream = json_field(body, "stream", (bool,), False)
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise RequestError("'stream_options' must be an object", "stream_options")
+            include_usage = json_field(options, "include_usage", (bool,), False)
+        except RequestError as e:
+            raise ApiError(400, str(e), e.param) from None
+        return cls(request, stream, include_usage)
 
     def send(self, item) -> None:
         """From the worker thread to the request's handler."""
@@ -75,194 +90,6 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
         except RuntimeError:  # the event loop is gone (shutting down)
             self.cancelled.set()
-
-
-def _text(content, param: str) -> str:
-    """A message's content: a string, or OpenAI's list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f"'{param}' must be a string or a list of text parts", param)
-
-
-def _get(body: dict, name: str, kinds: tuple, default=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        names = " or ".join(
-            {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}[k] for k in kinds
-        )
-        raise ApiError(400, f"'{name}' must be {names}", name)
-    return value
-
-
-# Engine.stream's keyword arguments that a request may set (unset: the engine's defaults)
-ENGINE_OPTIONS = (
-    "max_tokens",
-    "stop",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "draft_mode",
-    "gamma",
-    "prediction",
-    "json_schema",
-    "grammar",
-)
-
-
-@dataclass
-class ApiRequest:
-    """One request to /v1/chat/completions or /v1/completions, validated: what edgespec
-    takes of OpenAI's schema (and llama-server's extensions) is read in from_json(),
-    and engine_options() gives Engine.stream's arguments (as vLLM's to_sampling_params)."""
-
-    prompt: str | list[dict]  # a completion's text, or the chat's messages
-    raw: bool = False  # a completion: the prompt is sent as it is, no chat template
-    stream: bool = False
-    include_usage: bool = False  # stream_options.include_usage
-    max_tokens: int | None = None
-    stop: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    draft_mode: str | None = None
-    gamma: int | str | None = None
-    tools: list[dict] | None = None
-    tool_choice: tools.ToolChoice | None = None
-    parallel_tool_calls: bool = True
-    prediction: str | None = None  # OpenAI's Predicted Outputs
-    json_schema: dict | None = None  # response_format json_schema / json_object, or llama-server's json_schema
-    grammar: str | None = None  # llama-server's GBNF grammar
-
-    @classmethod
-    def from_json(cls, body: dict, *, chat: bool) -> ApiRequest:
-        """The request in `body`, or ApiError(400) naming the first field that is wrong."""
-        request = cls(cls._chat_messages(body) if chat else cls._completion_prompt(body), raw=not chat)
-        n = _get(body, "n", (int,), 1)
-        if n != 1:
-            raise ApiError(400, "only n=1 is supported: one answer per request", "n")
-        for unsupported in ("logprobs", "functions", "echo", "suffix"):
-            if body.get(unsupported) not in (None, False, [], 0, ""):
-                raise ApiError(400, f"'{unsupported}' is not supported by edgespec", unsupported)
-        request.stream = _get(body, "stream", (bool,), False)
-        stream_options = body.get("stream_options") or {}
-        if not isinstance(stream_options, dict):
-            raise ApiError(400, "'stream_options' must be an object", "stream_options")
-        request.include_usage = bool(_get(stream_options, "include_usage", (bool,), False))
-        stop = body.get("stop")
-        request.stop = [stop] if isinstance(stop, str) else stop
-        if request.stop is not None and not (
-            isinstance(request.stop, list) and all(isinstance(s, str) for s in request.stop)
-        ):
-            raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
-        if request.stop and len(request.stop) > MAX_STOP:
-            raise ApiError(400, f"at most {MAX_STOP} stop strings", "stop")
-        request.max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
-        for name in ("temperature", "top_p", "min_p"):
-            setattr(request, name, _get(body, name, (int, float)))
-        request.top_k, request.seed = _get(body, "top_k", (int,)), _get(body, "seed", (int,))
-        request.draft_mode = _get(body, "draft_mode", (str,))
-        if request.draft_mode is not None and request.draft_mode not in MODES:
-            raise ApiError(400, f"'draft_mode' must be one of {', '.join(MODES)}", "draft_mode")
-        request.gamma = body.get("gamma")
-        if request.gamma not in (None, "auto") and (
-            isinstance(request.gamma, bool) or not isinstance(request.gamma, int)
-        ):
-            raise ApiError(400, "'gamma' must be an integer or \"auto\"", "gamma")
-        if body.get("tools"):
-            try:
-                request.tool_choice = tools.check(body["tools"], body.get("tool_choice"))
-            except EdgespecError as e:
-                raise ApiError(400, str(e), "tools") from None
-            request.tools = body["tools"]
-            request.parallel_tool_calls = _get(body, "parallel_tool_calls", (bool,), True)
-        prediction = body.get("prediction")
-        if prediction is not None:
-            if not isinstance(prediction, dict) or prediction.get("type") != "content":
-                raise ApiError(400, '\'prediction\' must be {"type": "content", "content": ...}', "prediction")
-            request.prediction = _text(prediction.get("content"), "prediction.content")
-        request.json_schema, request.grammar = _constraint(body)
-        return request
-
-    @staticmethod
-    def _chat_messages(body: dict) -> list[dict]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", "messages")
-        chat = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
-            message = {"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")}
-            if m.get("tool_calls"):  # an assistant's earlier calls
-                calls = m["tool_calls"]
-                if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-                    raise ApiError(
-                        400, f"messages[{i}].tool_calls must be a list of calls", f"messages[{i}].tool_calls"
-                    )
-                message["tool_calls"] = calls
-            if isinstance(m.get("tool_call_id"), str):  # a tool's result
-                message["tool_call_id"] = m["tool_call_id"]
-            chat.append(message)
-        return chat
-
-    @staticmethod
-    def _completion_prompt(body: dict) -> str:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
-        return prompt
-
-    @property
-    def predicted(self) -> bool:
-        return self.prediction is not None
-
-    def engine_options(self) -> dict:
-        """Engine.stream's keyword arguments: what the request set (the rest: the engine's defaults)."""
-        options = {name: getattr(self, name) for name in ENGINE_OPTIONS if getattr(self, name) is not None}
-        if self.tools:
-            options |= {"tools": self.tools, "tool_choice": self.tool_choice}
-            options["parallel_tool_calls"] = self.parallel_tool_calls
-        return options | ({"raw": True} if self.raw else {})
-
-
-def _constraint(body: dict) -> tuple[dict | None, str | None]:
-    """(json_schema, grammar) the answer must match: OpenAI's response_format, or
-    llama-server's `json_schema` (a schema) and `grammar` (GBNF text) fields, at most one
-    of them; Engine.stream checks and compiles them."""
-    response_format, json_schema = body.get("response_format"), body.get("json_schema")
-    if json_schema is not None and not isinstance(json_schema, dict):
-        raise ApiError(400, "'json_schema' must be an object (a JSON schema)", "json_schema")
-    grammar = _get(body, "grammar", (str,))
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if response_format is not None and kind != "text":
-        if json_schema is not None or grammar is not None:
-            raise ApiError(400, "give one of response_format, json_schema and grammar", "response_format")
-        if kind == "json_object":
-            json_schema = {"type": "object"}
-        elif kind == "json_schema":
-            spec = response_format.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise ApiError(400, "'response_format.json_schema.schema' must be an object", "response_format")
-            json_schema = spec["schema"]
-        else:
-            raise ApiError(400, "'response_format.type' must be text, json_object or json_schema", "response_format")
-    if json_schema is not None and grammar is not None:
-        raise ApiError(400, "give one of response_format, json_schema and grammar", "grammar")
-    return json_schema, grammar
 
 
 # --- the worker ---------------------------------------------------------------------
@@ -281,7 +108,6 @@ class Worker:
 
     def _load(self, load: Callable[[], Engine]) -> Engine:
         engine = load()
-        engine.defer_rechecks = True  # the thread re-checks costs when idle
         self.engine = self.thread.engine = engine
         return engine
 
@@ -320,7 +146,7 @@ class Worker:
 
     def _generate(self, job: Job) -> None:
         try:
-            events = self.engine.stream(job.request.prompt, **job.request.engine_options())
+            events = self.engine.stream(job.request)
         except EdgespecError as e:  # the prompt is too long, a parameter is out of range, ...
             job.send(ApiError(400, str(e)))
             return
@@ -379,10 +205,10 @@ class Api:
         app.add_middleware(_Guard, api_key=self.api_key)
         return app
 
-    async def health(self, request: Request) -> Response:
+    async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, request: HttpRequest) -> Response:
         target = self.worker.engine.target
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}
         # the context as llama-server (meta) and vLLM (max_model_len) report it
@@ -390,16 +216,16 @@ class Api:
         model["meta"] = {"n_ctx": target.n_ctx, "n_ctx_train": target.n_ctx_train, "n_vocab": target.n_vocab}
         return JSONResponse({"object": "list", "data": [model]})
 
-    async def chat(self, request: Request) -> Response:
+    async def chat(self, request: HttpRequest) -> Response:
         return await self._answer(request, "chat.completion")
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: HttpRequest) -> Response:
         return await self._answer(request, "text_completion")
 
-    async def _answer(self, request: Request, kind: str) -> Response:
+    async def _answer(self, request: HttpRequest, kind: str) -> Response:
         watcher = None
         try:
-            job = Job(ApiRequest.from_json(await _json_body(request), chat=kind == "chat.completion"))
+            job = Job.from_openai(await _json_body(request), chat=kind == "chat.completion")
             self.worker.submit(job)
             watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
             first = await job.events.get()
@@ -409,7 +235,7 @@ class Api:
             if isinstance(first, ApiError):
                 raise first
             reply = _Reply(kind, self.model_name, job)
-            if job.request.stream:
+            if job.stream:
                 watcher, streaming = None, watcher  # the stream owns it from here
                 return StreamingResponse(reply.chunks(first, streaming), media_type="text/event-stream")
             return JSONResponse(await reply.whole(first))
@@ -431,10 +257,10 @@ class _Reply:
         self.kind, self.model, self.job = kind, model, job
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id, self.created = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
-        choice = job.request.tool_choice
+        request = job.request
         self.calls = None  # reads tool calls out of the answer, where tools may be called
-        if choice is not None and choice.mode != "none":
-            self.calls = tools.ToolCallParser(choice.opening, parallel=job.request.parallel_tool_calls)
+        if request.calls_tools:
+            self.calls = tools.ToolCallParser(request.tool_choice.opening, parallel=request.parallel_tool_calls)
 
     def _split(self, text: str, *, last: bool = False) -> tuple[str, list[tools.ToolCall]]:
         """The answer's new text -> (its text to show, the tool calls it completed)."""
@@ -467,7 +293,7 @@ class _Reply:
         return {"index": 0, "delta": out, "finish_reason": finish}
 
     def _closing(self, stats: Stats) -> dict:
-        return {"usage": usage(stats, self.job.request.predicted), "speculative": stats.as_dict()}
+        return {"usage": usage(stats, self.job.request.prediction is not None), "speculative": stats.as_dict()}
 
     async def whole(self, first: Event) -> dict:
         text, event = [first.text], first
@@ -509,7 +335,7 @@ class _Reply:
                     _log_answer(stats)
                     finish = self._choice("", self._finish_reason(stats), delta=True)
                     yield _sse(self._envelope(kind, [finish]))
-                    if self.job.request.include_usage:
+                    if self.job.include_usage:
                         yield _sse(self._envelope(kind, []) | self._closing(stats))
                     else:
                         yield _sse(self._envelope(kind, []) | {"speculative": stats.as_dict()})
@@ -539,7 +365,7 @@ def _log_answer(stats: Stats) -> None:
         log.warning("the context window is full: the answer was cut; start the server with a larger --ctx")
 
 
-async def _json_body(request: Request) -> dict:
+async def _json_body(request: HttpRequest) -> dict:
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
         raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB")
@@ -557,7 +383,7 @@ async def _json_body(request: Request) -> dict:
     return data
 
 
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+async def _cancel_on_disconnect(request: HttpRequest, job: Job) -> None:
     """A client that goes away frees the engine (at the next round boundary)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass

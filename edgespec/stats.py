@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from .cost_curve import expected_tokens
+from .modes import Source
 
 DERIVED = (
     "acceptance_rate",
@@ -79,7 +80,7 @@ class Stats:
     drafted_by_source: dict[str, int] = field(default_factory=dict)
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     alpha_by_source: dict[str, float] = field(default_factory=dict)
-    last_source: str = "off"
+    last_source: str = Source.OFF
     last_gamma: int = 0
     predicted_speedup: float = 1.0
     baseline_tokens_per_s: float = 0.0  # 1 / V(1) from calibration (0 if not calibrated)
@@ -95,12 +96,12 @@ class Stats:
     @property
     def accepted_prediction_tokens(self) -> int:
         """Tokens drafted from the prediction that the target kept (as OpenAI's usage reports them)."""
-        return self.accepted_by_source.get("prediction", 0)
+        return self.accepted_by_source.get(Source.PREDICTION, 0)
 
     @property
     def rejected_prediction_tokens(self) -> int:
         """Tokens drafted from the prediction that the target verified and rejected."""
-        return self.drafted_by_source.get("prediction", 0) - self.accepted_prediction_tokens
+        return self.drafted_by_source.get(Source.PREDICTION, 0) - self.accepted_prediction_tokens
 
     @property
     def acceptance_rate(self) -> float:
@@ -117,7 +118,7 @@ class Stats:
     @property
     def mean_gamma(self) -> float:
         """Draft length over the rounds that drafted."""
-        drafting = self.rounds - self.rounds_by_source.get("off", 0)
+        drafting = self.rounds - self.rounds_by_source.get(Source.OFF, 0)
         return self.drafted / drafting if drafting else 0.0
 
     @property
@@ -137,7 +138,7 @@ class Stats:
     @property
     def drafting_share(self) -> float:
         """Of the rounds, the share that drafted."""
-        return (self.rounds - self.rounds_by_source.get("off", 0)) / self.rounds if self.rounds else 0.0
+        return (self.rounds - self.rounds_by_source.get(Source.OFF, 0)) / self.rounds if self.rounds else 0.0
 
     @property
     def tokens_by_source(self) -> dict[str, int]:
@@ -203,7 +204,7 @@ class Stats:
                     f", rounds: {chosen}; speedup predicted {self.predicted_speedup:.2f}x,"
                     f" measured {self.measured_speedup:.2f}x"
                 )
-            if self.drafted_by_source.get("prediction"):
+            if self.drafted_by_source.get(Source.PREDICTION):
                 line += (
                     f", prediction tokens accepted {self.accepted_prediction_tokens},"
                     f" rejected {self.rejected_prediction_tokens}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from .registry import cache_dir, locked
+from .cache import cache_dir, locked
 
 
 def path():

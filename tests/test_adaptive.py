@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibra
 from edgespec.calibration import CostCurve
 from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
 from edgespec.drafters import CopyDrafter
+from edgespec.engine import Recheck
 from edgespec.stats import RoundTiming
 
 
@@ -32,14 +34,33 @@ GREEDY = SamplingParams(temperature=0)
 RNG = np.random.default_rng(0)
 
 
+def propose(controller: Controller, context: list[int], room: int = 100) -> tuple[Plan, Draft]:
+    """A round's plan and its draft, the copy drafter having followed `context` first (as
+    prefill and the last round's observe leave it)."""
+    if copy := controller.drafters.get("copy"):
+        copy.follow(context)
+    plan = controller.plan(context, room)
+    return plan, controller.draft(plan, context, GREEDY, RNG)
+
+
 def test_hybrid_uses_a_confident_copy_else_the_model():
     model = StubModelDrafter()
     controller = Controller("hybrid", 4, None, None, model, CopyDrafter())
     repeated = [10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12, 13, 14]
-    draft = controller.propose(repeated, 10, GREEDY, RNG)
+    _, draft = propose(controller, repeated, 10)
     assert draft.source == "copy" and draft.tokens == [15, 16, 17, 10]
     short = [10, 11, 12, 99, 10, 11, 12]  # only a 3-token match: not confident
-    assert controller.propose(short, 10, GREEDY, RNG).source == "model" and model.calls[-1][0] == 4
+    assert propose(controller, short, 10)[1].source == "model" and model.calls[-1][0] == 4
+
+
+def test_planning_learns_nothing():
+    """plan() is a query: asked twice, the same answer, and nothing learnt until observe()."""
+    controller = adaptive()
+    controller.prefill([1, 2, 3])
+    first, second = controller.plan([1, 2, 3], 100), controller.plan([1, 2, 3], 100)
+    assert first == second and controller.acceptance == {} and controller.live == {}
+    feed(controller, accepted=0, drafted=0)
+    assert controller.plan([1, 2, 3], 100).rng_state != first.rng_state  # the draw was used up
 
 
 # --- controller on synthetic cost curves --------------------------------------
@@ -57,9 +78,11 @@ def feed(controller, accepted, drafted, rounds=1):
     """Rounds as if the controller had drafted `drafted` model tokens (0: a round without a draft),
     each timed exactly as the cost curves predict."""
     for _ in range(rounds):
-        plan = Plan(0.0, "model" if drafted else "off", drafted, key="model" if drafted else "")
+        planned = controller.plan([1, 2, 3], 100)  # its Thompson draw is used up, as in a real round
+        plan = replace(planned, rate=0.0, source="model" if drafted else "off", gamma=drafted, key="model")
         draft = Draft([0] * drafted, None, source=plan.source)
-        controller.observe(draft, accepted, RoundTiming(DRAFT(1) * drafted, controller.V(drafted + 1)), plan)
+        timing = RoundTiming(DRAFT(1) * drafted, controller.V(drafted + 1))
+        controller.observe(plan, draft, accepted, timing, [1, 2, 3])
 
 
 @pytest.mark.parametrize("alpha", [0.3, 0.6, 0.8, 0.9, 0.97])
@@ -98,18 +121,16 @@ def test_controller_turns_off_when_alpha_is_low_and_comes_back_when_it_rises():
 def test_model_draft_gets_stop_thresholds_from_the_cost_model():
     controller = adaptive(CPU, CostCurve({1: 0.2, 2: 0.25}))
     controller.acceptance_of("model").accepted = 1e6  # α ≈ 1
-    draft = controller.propose([1, 2, 3], 100, GREEDY, RNG)
+    plan, draft = propose(controller, [1, 2, 3])
     n, stop_below = controller.drafters["model"].calls[-1]
     assert draft.source == "model" and len(stop_below) == n
-    plan = controller.last
     assert stop_below[0] == pytest.approx(plan.rate * (0.2 + CPU(2) - CPU(1)))
 
 
 def test_fixed_mode_and_gamma_always_draft():
     controller = Controller("model", 3, None, None, StubModelDrafter(), CopyDrafter())
-    draft = controller.propose([1, 2, 3], 100, GREEDY, RNG)
-    assert draft.tokens == [42, 42, 42]
-    assert controller.propose([1, 2, 3], 2, GREEDY, RNG).tokens == [42, 42]  # never past the room left
+    assert propose(controller, [1, 2, 3])[1].tokens == [42, 42, 42]
+    assert propose(controller, [1, 2, 3], 2)[1].tokens == [42, 42]  # never past the room left
 
 
 def test_cost_curve_interpolates_extrapolates_and_learns():
@@ -161,11 +182,20 @@ def test_a_pass_never_costs_more_than_its_tokens_one_at_a_time():
     assert curve(32) <= 32 * curve(1) * cost_curve.BATCH_SLACK
 
 
-def test_a_disturbed_point_is_timed_again(monkeypatch, smollm2):
+class Scripted(calibration.Timer):
+    """A timer that says what each pass took instead of timing it."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds  # (model, k) -> seconds
+
+    def __call__(self, model, k, tries):
+        return self.seconds(model, k)
+
+
+def test_a_disturbed_point_is_timed_again(smollm2):
     times = {1: [1.0, 1.0], 4: [9.0, 3.0]}  # the first 4-token pass ran beside something else
-    monkeypatch.setattr(calibration, "_time", lambda model, k, tries: times[k].pop(0))
-    monkeypatch.setattr(calibration, "_probed", {})
-    curve = calibration.measure(smollm2, (1, 4))
+    curve = calibration.measure(smollm2, (1, 4), Scripted(lambda model, k: times[k].pop(0)))
     assert curve.points == {1: 1.0, 4: 3.0} and times[4] == [] and times[1] == []
     assert curve.due() is not None  # a disturbed calibration is re-checked over the next answers
 
@@ -204,6 +234,7 @@ def test_a_cost_measured_on_a_busy_machine_does_not_stick(tmp_path, monkeypatch,
     calibration.save(draft, calibration.DRAFT_SIZES, busy)
     with Engine(smollm2, ModelDrafter(draft, smollm2.n_vocab), owned=[draft]) as engine:
         engine.generate("Hi", max_tokens=4, temperature=0)
+        engine.upkeep()  # idle after the answer
         step = engine.cost_curve(draft, calibration.DRAFT_SIZES)
         assert step(1) < 1.5 * quiet(1) and step.checked[1] > 0
     assert calibration.load_or_measure(draft, calibration.DRAFT_SIZES)(1) < 1.5 * quiet(1)
@@ -218,9 +249,8 @@ def test_flash_attention_is_chosen_once_and_reported(tmp_path, monkeypatch, smol
     def no_measuring(*args):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(calibration, "_time", no_measuring)
     other = Model(smollm2_path, n_ctx=512)
-    assert calibration.choose_flash_attn(other) == choice == other.flash_attn
+    assert calibration.choose_flash_attn(other, Scripted(no_measuring)) == choice == other.flash_attn
     engine = Engine(other, owned=[model, other])
     assert engine.generate("Hi", max_tokens=2, speculative=False).stats.flash_attn == choice
     engine.close()
@@ -234,8 +264,8 @@ def test_flash_attention_is_chosen_again_after_a_day(tmp_path, monkeypatch, smol
     key = f"{calibration._setup(model)}|flash_attn"
     store.write(key, {"on": True, "checked_at": time.time() - calibration.FLASH_RECHECK_S - 1})
     times = {True: 2.0, False: 1.0}  # now flash attention is the slower
-    monkeypatch.setattr(calibration, "_time", lambda m, k, tries: times[m.flash_attn])
-    assert calibration.choose_flash_attn(model) is False and model.flash_attn is False
+    assert calibration.choose_flash_attn(model, Scripted(lambda m, k: times[m.flash_attn])) is False
+    assert model.flash_attn is False
     assert store.read()[key]["on"] is False
     model.close()
 
@@ -246,8 +276,7 @@ def test_auto_without_a_draft_model_never_plans_one():
     assert "model" not in controller.drafters
     for context in ([1, 2, 3], [1, 2, 3, 4, 1, 2, 3]):
         for _ in range(50):
-            draft = controller.propose(context, 100, GREEDY, RNG)
-            assert draft.source in ("off", "copy")
+            assert propose(controller, context)[1].source in ("off", "copy")
 
 
 def test_predicted_speedup_of_rounds_without_drafts_is_one_however_the_machine_drifts():
@@ -255,9 +284,10 @@ def test_predicted_speedup_of_rounds_without_drafts_is_one_however_the_machine_d
     machine that slows down while nothing is drafted predicts 1.0x, not its drift."""
     controller = Controller("auto", None, CostCurve({1: 1.0, 2: 1.9}), None, None, CopyDrafter())
     for i in range(20):
-        draft = controller.propose([1, 2, 3, 4, 5, 6, 7 + i], 100, GREEDY, RNG)
+        context = [1, 2, 3, 4, 5, 6, 7 + i]
+        plan, draft = propose(controller, context)
         assert draft.source == "off"
-        controller.observe(draft, 0, RoundTiming(0.0, 1.5 + i / 10))  # every step slower than the last
+        controller.observe(plan, draft, 0, RoundTiming(0.0, 1.5 + i / 10), context)  # every step slower than the last
     assert controller.predicted.speedup == pytest.approx(1.0)
 
 
@@ -303,7 +333,8 @@ def test_rounds_slower_than_planned_lose_their_place():
     while controller.plan([1, 2, 3], 100).source == "model":
         plan = controller.plan([1, 2, 3], 100)
         draft = Draft([0] * plan.gamma, None, source="model")
-        controller.observe(draft, plan.gamma, RoundTiming(3 * 0.3 * plan.gamma, 3 * controller.V(plan.gamma + 1)), plan)
+        timing = RoundTiming(3 * 0.3 * plan.gamma, 3 * controller.V(plan.gamma + 1))
+        controller.observe(plan, draft, plan.gamma, timing, [1, 2, 3])
         rounds += 1
         assert rounds <= 5
     assert controller.live["model"].ratio > 1.3
@@ -318,7 +349,7 @@ def test_a_machine_slow_for_everything_changes_no_choice():
         source, gamma = ("off", 0) if i % 2 else ("model", before.gamma)
         plan = Plan(1.0, source, gamma, key="model" if gamma else "")
         draft = Draft([0] * gamma, None, source=source)
-        controller.observe(draft, gamma, RoundTiming(2 * 0.3 * gamma, 2 * controller.V(gamma + 1)), plan)
+        controller.observe(plan, draft, gamma, RoundTiming(2 * 0.3 * gamma, 2 * controller.V(gamma + 1)), [1, 2, 3])
     after = controller.plan([1, 2, 3], 100)
     assert after.source == before.source == "model"
     assert controller.live["model"].ratio == pytest.approx(controller.live["off"].ratio, rel=0.15)
@@ -329,33 +360,40 @@ def test_a_pass_over_more_tokens_never_costs_less():
     assert all(curve(k + 1) >= curve(k) for k in range(1, 8))
 
 
-def test_short_answers_spend_little_on_rechecks(monkeypatch, smollm2):
-    spent = []
+def test_short_answers_spend_little_on_rechecks(tmp_path, monkeypatch, smollm2):
+    """Every point of the curve is due for a re-check and each re-check is slow: idle time
+    between 60 short answers goes to re-checks at most 5% of the time answering took (and one)."""
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    points = {k: 0.01 * k for k in calibration.TARGET_SIZES}
+    calibration.save(smollm2, calibration.TARGET_SIZES, CostCurve(points, checked={k: 0.0 for k in points}))
 
-    def slow_recheck(curves):
-        time.sleep(0.02)
-        spent.append(0.02)
+    def slow(model, k):
+        time.sleep(0.01)
+        return points[k]
 
-    monkeypatch.setattr(calibration, "recheck", slow_recheck)
-    engine = Engine(smollm2, None)
-    answered = 0.0
+    engine = Engine(smollm2, None, timer=Scripted(slow))
+    answered, spent = 0.0, []
     for i in range(60):
         stats = engine.generate(f"Say {i}.", temperature=0, max_tokens=2).stats
         answered += stats.prefill_s + stats.decode_s
-    assert 1 <= len(spent) and sum(spent) <= 0.02 + 0.05 * answered
+        start = time.perf_counter()
+        engine.upkeep()  # idle now, as an engine thread would be
+        spent.append(time.perf_counter() - start)
+    rechecks = [s for s in spent if s > 0.02]
+    assert rechecks and sum(spent) <= max(spent) + 0.05 * answered
 
 
-def test_a_calibration_whose_load_changed_is_due_again_at_once(monkeypatch, smollm2):
+def test_a_calibration_whose_load_changed_is_due_again_at_once(smollm2):
     """The machine was busy when calibration began (a compile, an IDE indexing) and quiet by
     its end: the curve says so, and every point is re-checked over the next answers."""
-    monkeypatch.setattr(calibration, "_probed", {})  # no timings left from choosing flash attention
     times = iter([0.09])  # the first single steps (busy); then 0.03 (quiet)
-    monkeypatch.setattr(calibration, "_time", lambda model, k, tries: next(times, 0.03) if k == 1 else 0.02 * k)
-    curve = calibration.measure(smollm2, (1, 2, 4))
+    curve = calibration.measure(
+        smollm2, (1, 2, 4), Scripted(lambda model, k: next(times, 0.03) if k == 1 else 0.02 * k)
+    )
     assert curve.due() is not None and set(curve.checked.values()) == {0.0}
     assert curve(1) == pytest.approx(0.03)
-    monkeypatch.setattr(calibration, "_time", lambda model, k, tries: 0.03 * k)  # a steady machine
-    assert calibration.measure(smollm2, (1, 2, 4)).due() is None
+    steady = Scripted(lambda model, k: 0.03 * k)  # a steady machine
+    assert calibration.measure(smollm2, (1, 2, 4), steady).due() is None
 
 
 def test_a_curve_timed_on_a_busy_machine_is_renewed_after_one_answer(tmp_path, monkeypatch, smollm2):
@@ -366,31 +404,39 @@ def test_a_curve_timed_on_a_busy_machine_is_renewed_after_one_answer(tmp_path, m
     calibration.save(smollm2, calibration.TARGET_SIZES, CostCurve({k: 3 * v for k, v in quiet.points.items()}))
     engine = Engine(smollm2, None)
     engine.generate("Count from one to twenty.", temperature=0, max_tokens=40)
+    assert engine.recheck is Recheck.ALL
+    engine.upkeep()
     renewed = engine.cost_curve(smollm2)
     assert renewed(1) < 1.5 * quiet(1) and renewed(16) < 1.5 * quiet(16)
     assert renewed.due() is None
 
 
-def test_an_engine_thread_rechecks_costs_when_idle_after_the_final_event(monkeypatch, smollm2):
-    """Behind the server and the chat app: the final event (finish_reason, usage, [DONE])
-    goes out before any cost re-check, which runs once nothing is queued."""
+def test_rechecks_wait_for_the_engine_to_be_idle(tmp_path, monkeypatch, smollm2):
+    """No answer waits for a re-check: generate() returns with it still due; an engine thread
+    runs it once nothing is queued, after the answer is in (finish_reason, usage, [DONE])."""
     from edgespec import EngineThread
 
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    points = {k: 0.01 * k for k in calibration.TARGET_SIZES}
+    calibration.save(smollm2, calibration.TARGET_SIZES, CostCurve(points, checked={k: 0.0 for k in points}))
     rechecked = []
-    monkeypatch.setattr(calibration, "recheck", lambda curves, every=False: rechecked.append(time.monotonic()))
-    engine = Engine(smollm2, None)
-    engine.defer_rechecks = True
+
+    def timed(model, k):
+        rechecked.append(time.monotonic())
+        return points[k]
+
+    engine = Engine(smollm2, None, timer=Scripted(timed))
+    engine.generate("Say hi.", temperature=0, max_tokens=4)
+    assert engine.recheck is Recheck.DUE and not rechecked
     thread = EngineThread()
     thread.engine = engine
 
     def answer():
-        for event in engine.stream("Say hi.", temperature=0, max_tokens=4):
-            last = event
-        return time.monotonic(), engine.recheck, last.done
+        return engine.generate("Say hi.", temperature=0, max_tokens=4), time.monotonic(), engine.recheck
 
-    finished_at, due, done = thread.submit(answer).result()
+    generation, finished_at, due = thread.submit(answer).result()
     deadline = time.monotonic() + 10
     while not rechecked and time.monotonic() < deadline:
         time.sleep(0.01)
     thread.close()
-    assert done and due == "due" and rechecked and rechecked[0] >= finished_at
+    assert generation.finish_reason and due is Recheck.DUE and rechecked and rechecked[0] >= finished_at

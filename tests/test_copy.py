@@ -15,22 +15,28 @@ from edgespec.sampling import distribution
 # --- alignment on token lists ---------------------------------------------------
 
 
+def follow_and_draft(drafter: CopyDrafter, context: list[int], n: int):
+    """As the controller does each round: the drafter follows what the target wrote, then drafts."""
+    drafter.follow(context)
+    return drafter.draft(context, n)
+
+
 def test_anchors_on_the_longest_match_and_follows_the_target():
     drafter = CopyDrafter(sizes=(4, 2))
     context = [1, 2, 3, 4, 5, 6, 9, 3, 4, 7, 8, 1, 2, 3, 4]
-    draft = drafter.draft(context, 10)
+    draft = follow_and_draft(drafter, context, 10)
     assert draft.tokens == [5, 6, 9, 3, 4, 7, 8, 1, 2, 3] and draft.q is None  # the 4-gram wins over "3 4 -> 7"
     assert draft.source == "copy" and drafter.evidence == 4
     # the target took two of them: the pointer moves along, no new lookup
-    assert drafter.draft(context + [5, 6], 3).tokens == [9, 3, 4] and drafter.evidence == 6
+    assert follow_and_draft(drafter, context + [5, 6], 3).tokens == [9, 3, 4] and drafter.evidence == 6
 
 
 def test_never_matches_the_context_suffix_itself_and_starts_over_on_a_new_context():
     drafter = CopyDrafter(sizes=(3,))
-    assert drafter.draft([1, 2, 3], 5).tokens == []
-    assert drafter.draft([1, 2, 3, 9, 1, 2, 3], 5).tokens == [9, 1, 2, 3]
-    assert drafter.draft([7, 7, 7, 8, 1, 2, 3], 5).tokens == []  # the old conversation's n-grams are gone
-    assert drafter.draft([7, 7, 7, 8, 1, 2, 3, 7, 7, 7], 5).tokens == [8, 1, 2, 3, 7]
+    assert follow_and_draft(drafter, [1, 2, 3], 5).tokens == []
+    assert follow_and_draft(drafter, [1, 2, 3, 9, 1, 2, 3], 5).tokens == [9, 1, 2, 3]
+    assert follow_and_draft(drafter, [7, 7, 7, 8, 1, 2, 3], 5).tokens == []  # the old conversation's n-grams are gone
+    assert follow_and_draft(drafter, [7, 7, 7, 8, 1, 2, 3, 7, 7, 7], 5).tokens == [8, 1, 2, 3, 7]
 
 
 SOURCE = [10, 11, 12, 13, 14, 15, 16, 7, 17, 18, 19, 20, 7, 21, 22]  # token 7 is an identifier, used twice
@@ -41,11 +47,11 @@ def test_reanchors_next_to_an_edit_and_carries_the_substitution_forward():
     drafter = CopyDrafter(sizes=(3,))
     context = PROMPT + [10, 11, 12]
     drafter.prefill(context)
-    assert drafter.draft(context, 12).tokens == SOURCE[3:]
+    assert follow_and_draft(drafter, context, 12).tokens == SOURCE[3:]
     context += [13, 14, 15, 16, 50]  # the target renamed 7 to 50: the pointer is lost
-    assert drafter.draft(context, 64).tokens == []  # nothing near matches 50
+    assert follow_and_draft(drafter, context, 64).tokens == []  # nothing near matches 50
     context += [17]  # the target is back on the source, one token after the edit
-    draft = drafter.draft(context, 64)
+    draft = follow_and_draft(drafter, context, 64)
     assert draft.tokens[:7] == [18, 19, 20, 50, 21, 22, 99]  # the rename, learnt, is applied further on
 
 
@@ -53,29 +59,29 @@ def test_a_substitution_the_target_disagrees_with_is_forgotten():
     drafter = CopyDrafter(sizes=(3,))
     context = PROMPT + [10, 11, 12]
     drafter.prefill(context)
-    drafter.draft(context, 64)
+    follow_and_draft(drafter, context, 64)
     context += [13, 14, 15, 16, 50, 17]
-    drafter.draft(context, 64)
+    follow_and_draft(drafter, context, 64)
     context += [18, 19, 20, 7]  # this time the target kept 7
-    assert drafter.draft(context, 3).tokens == [21, 22, 99] and drafter.ptr is not None
-    drafter.prefill(PROMPT + [10, 11, 12])  # a new request starts clean
-    assert drafter.draft(PROMPT + [10, 11, 12], 12).tokens == SOURCE[3:]
+    assert follow_and_draft(drafter, context, 3).tokens == [21, 22, 99] and drafter.ptr is not None
+    drafter = CopyDrafter(sizes=(3,), conversation=drafter.conversation)  # a new request starts clean
+    drafter.prefill(PROMPT + [10, 11, 12])
+    assert follow_and_draft(drafter, PROMPT + [10, 11, 12], 12).tokens == SOURCE[3:]
 
 
 def test_a_prediction_is_drafted_from_its_start_and_found_again_after_a_preamble():
-    drafter = CopyDrafter(sizes=(3,))
     prediction = [30, 31, 32, 33, 34, 35, 36, 37]
-    drafter.set_prediction(prediction)
+    drafter = CopyDrafter(prediction=prediction, sizes=(3,))
     context = [1, 2, 3]
     drafter.prefill(context)
-    draft = drafter.draft(context, 4)
+    draft = follow_and_draft(drafter, context, 4)
     assert (draft.tokens, draft.source) == ([30, 31, 32, 33], "prediction")
     context += [5, 6, 30]  # a short preamble, then the prediction's first token
-    draft = drafter.draft(context, 64)
+    draft = follow_and_draft(drafter, context, 64)
     assert (draft.tokens, draft.source) == (prediction[1:], "prediction")
-    drafter.set_prediction(None)
+    drafter = CopyDrafter(sizes=(3,))  # the next request has none
     drafter.prefill([1, 2, 3])
-    assert drafter.draft([1, 2, 3], 4).tokens == []
+    assert follow_and_draft(drafter, [1, 2, 3], 4).tokens == []
 
 
 # --- renames on a real tokenizer ---------------------------------------------------
@@ -101,7 +107,7 @@ def replay_rounds(drafter: CopyDrafter, prompt: list[int], output: list[int]) ->
     drafter.prefill(context)
     while len(context) < len(prompt) + len(output):
         done = len(context) - len(prompt)
-        draft = drafter.draft(context, 64).tokens
+        draft = follow_and_draft(drafter, context, 64).tokens
         truth, accepted = output[done:], 0
         while accepted < min(len(draft), len(truth)) and draft[accepted] == truth[accepted]:
             accepted += 1

@@ -158,7 +158,7 @@ def test_concurrent_pulls_make_one_verified_file(home):
 
 
 def test_stale_work_folders_are_reclaimed_unless_in_use(home, monkeypatch):
-    from edgespec import registry
+    from edgespec.cache import locked
 
     cache, env = home
     models = cache / "models"
@@ -170,7 +170,7 @@ def test_stale_work_folders_are_reclaimed_unless_in_use(home, monkeypatch):
     for name in ("old.gguf", "busy.gguf"):
         os.utime(folders[name], (two_days_ago, two_days_ago))
     monkeypatch.setenv("EDGESPEC_HOME", str(cache))
-    with registry.locked("busy.gguf", None):  # a pull of it runs (here, in this process)
+    with locked("busy.gguf", None):  # a pull of it runs (here, in this process)
         done = start_pull(env)
         _, err = done.communicate(timeout=120)
     assert done.returncode == 0, err

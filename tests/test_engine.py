@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import assert_greedy_match
 from scipy import stats as scipy_stats
 
-from edgespec import Draft, EdgespecError, Engine, Model, SamplingParams
+import edgespec
+from edgespec import Draft, DraftMode, EdgespecError, Engine, Model, Request, SamplingParams
 from edgespec.sampling import distribution
 
 PROMPTS = [
@@ -181,3 +186,51 @@ def test_context_full_and_prompt_too_long(smollm2_path):
 def test_bad_parameters(self_engine, kwargs, word):
     with pytest.raises(EdgespecError, match=word):
         self_engine.generate("hi", **kwargs)
+
+
+# --- one request type -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"gamma": 0}, "gamma must be >= 1"),
+        ({"gamma": "many"}, 'gamma must be an integer or "auto"'),
+        ({"max_tokens": 0}, "max-tokens must be >= 1"),
+        ({"draft_mode": "fast"}, "unknown draft mode 'fast'"),
+        ({"grammar": "root ::= [a-z]+", "json_schema": {"type": "object"}}, "a grammar or a JSON schema, not both"),
+        ({"stop": ["x"] * 17}, "at most 16 stop strings"),
+        ({"raw": True, "prompt": [{"role": "user", "content": "hi"}]}, "a raw prompt must be a string"),
+    ],
+)
+def test_a_request_is_checked_when_it_is_made(kwargs, words):
+    options = {"prompt": "hi"} | kwargs
+    with pytest.raises(EdgespecError, match=words):
+        Request(options.pop("prompt"), **options)
+
+
+def test_a_request_and_keywords_give_the_same_answer(self_engine):
+    request = Request("Name a colour.", SamplingParams(temperature=0), max_tokens=12, draft_mode="copy", gamma=3)
+    assert request.draft_mode is DraftMode.COPY and request.stop == ()
+    by_request = self_engine.generate(request)
+    by_keywords = self_engine.generate("Name a colour.", temperature=0, max_tokens=12, draft_mode="copy", gamma=3)
+    assert by_request.tokens == by_keywords.tokens and by_request.stats.draft_mode == "copy"
+    with pytest.raises(EdgespecError, match="not both"):
+        self_engine.generate(request, max_tokens=3)
+
+
+def test_a_request_leaves_nothing_on_the_engine(self_engine):
+    """Each request's copy drafter, prediction and controller are its own: a prediction given
+    to one request drafts nothing for the next."""
+    ask = "Repeat: the quick brown fox jumps over the lazy dog."
+    self_engine.generate(ask, temperature=0, max_tokens=16, draft_mode="copy", prediction="the quick brown fox")
+    after = self_engine.generate("Say hello.", temperature=0, max_tokens=8, draft_mode="copy")
+    assert after.stats.drafted_by_source.get("prediction", 0) == 0
+
+
+def test_importing_stats_and_requests_checks_does_not_start_llama_cpp():
+    code = "import sys; from edgespec import Stats, DraftMode, Source; print('llama_cpp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    shipped = Path(edgespec.__file__).parent
+    assert not [p.name for p in shipped.glob("*.py") if "unittest" in p.read_text()]

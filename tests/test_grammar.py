@@ -6,7 +6,6 @@ import json
 import time
 
 import jsonschema
-import llama_cpp
 import numpy as np
 import pytest
 from conftest import NEAR_TIE, near_ties
@@ -16,6 +15,7 @@ from test_copy import chi_square_pvalue
 from edgespec import Engine
 from edgespec.errors import EdgespecError
 from edgespec.grammar import Grammar, GrammarError, json_schema_gbnf
+from edgespec.kernels import plain_llama
 from edgespec.sampling import SamplingParams, constrained, constrained_argmax
 
 PERSON = {
@@ -43,9 +43,10 @@ COFFEE = "Order for the café as JSON: a large coffee with milk and sugar, 3.50,
 LIST_GBNF = 'root ::= item ("\\n" item){2}\nitem ::= "- " [a-z]+ (" " [a-z]+)?'
 
 
-def llama_reference(path, tokens: list[int], gbnf: str, max_tokens: int) -> list[int]:
-    """Greedy decoding with plain llama-cpp-python and the same grammar."""
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, verbose=False)
+def llama_reference(model, tokens: list[int], gbnf: str, max_tokens: int) -> list[int]:
+    """Greedy decoding with plain llama-cpp-python and the same grammar (on `model`'s kernels:
+    repacked ones crash on some CPUs)."""
+    llm = plain_llama(model.path, model.repack, n_ctx=1024, verbose=False)
     out = []
     for token in llm.generate(tokens, temp=0, grammar=LlamaGrammar.from_string(gbnf, verbose=False)):
         if llm.token_eos() == token or len(out) == max_tokens:
@@ -84,7 +85,7 @@ def test_greedy_under_a_grammar_equals_llama_cpp_python(smollm2, smollm2_path, r
     engine = Engine(smollm2)
     tokens = engine.prompt_tokens(prompt)
     gbnf = constraint.get("grammar") or json_schema_gbnf(constraint["json_schema"])
-    reference = llama_reference(smollm2_path, tokens, gbnf, 120)
+    reference = llama_reference(smollm2, tokens, gbnf, 120)
     plain = engine.generate(prompt, temperature=0, max_tokens=120, speculative=False, **constraint)
     # the same passes but the prompt's last token (llama-cpp-python evaluates it with the prompt):
     # equal up to a float near-tie

@@ -107,6 +107,8 @@ def test_both_settings_work_the_faster_request_wins(fresh_store, monkeypatch, sm
     model = Model(smollm2_path, n_ctx=128)
     assert probed == [True, False]
     verdict = next(v for k, v in store.read().items() if k.endswith("|repack"))
+    if verdict.get("crashed"):  # (the crash itself: test_crashing_repacked_kernels_load_without_repacking)
+        pytest.skip(f"the repacked kernels crash on this CPU ({verdict['crashed']}): nothing to compare")
     cost = {s: sum(n * verdict["times"][s][p] for p, n in kernels.REQUEST.items()) for s in ("on", "off")}
     assert model.repack == (cost["off"] >= (1 - kernels.MARGIN) * cost["on"])
     assert set(verdict["times"]["on"]) == {"prompt", "verify", "step"}

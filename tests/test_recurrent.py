@@ -236,9 +236,8 @@ def test_controller_prices_rollback():
 
     def plan_with(rollback, context=text * 2 + text[:40]):
         controller = Controller("auto", None, curve, None, None, CopyDrafter(), verify_rollback=rollback)
-        for _ in range(3):  # the copy's evidence grows with the rounds it agrees
-            plan = controller.plan(context, 100)
-        return plan
+        controller.prefill(context)
+        return controller.plan(context, 100)
 
     assert plan_with(None).source == "copy"
     assert plan_with(RollbackCost(0.01, 0.01)).source == "copy"

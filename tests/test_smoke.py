@@ -15,7 +15,7 @@ from test_tui import send
 
 import edgespec
 from edgespec import Draft, Engine, Model
-from edgespec.controller import MODE_SOURCES, MODES
+from edgespec.modes import MODES
 from tui.app import ChatApp
 
 FEW = ["--max-tokens", "4", "--ctx", "512"]
@@ -47,7 +47,7 @@ def test_generate_matrix(capsys, sources, source, mode, gamma, sampling):
     stats = json.loads(out)["stats"]
     assert 1 <= stats["n_tokens"] <= 4
     # rounds came only from drafters the mode allows and that exist
-    allowed = {"off", *MODE_SOURCES[mode]} - ({"model"} if source == "target-alone" else set())
+    allowed = {"off", *mode.sources} - ({"model"} if source == "target-alone" else set())
     assert set(stats["rounds_by_source"]) <= allowed, stats["rounds_by_source"]
     assert stats["mode"] == ("target-only" if mode == "off" else "speculative")
 

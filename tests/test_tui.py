@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from weakref import WeakKeyDictionary
+
+from textual.notifications import Notification, Notify
 
 from tui.app import ChatApp
 from tui.widgets import AssistantMessage, StatsPanel
@@ -26,10 +29,28 @@ async def send(pilot, app: ChatApp, text: str) -> None:
     await wait_for(pilot, lambda: len(app.messages) == before + 2)  # the answer is in the conversation
 
 
+_NOTIFIED: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def notifications(app) -> list[Notification]:
+    """What the app has notified so far (seen by record_notifications)."""
+    return _NOTIFIED.setdefault(app, [])
+
+
+def record_notifications(app):
+    """A message hook for App.run_test that keeps each notification the app posts."""
+
+    def hook(message) -> None:
+        if isinstance(message, Notify):
+            notifications(app).append(message.notification)
+
+    return hook
+
+
 def run(test, **options):
     async def main():
         app = ChatApp(**{**SMALL, **options})
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(size=(120, 40), message_hook=record_notifications(app)) as pilot:
             await test(app, pilot)
 
     asyncio.run(main())
@@ -101,8 +122,8 @@ def test_new_conversation_clears_everything():
 
 def test_incompatible_pair_shows_an_error_notification(smollm2_path):
     async def test(app, pilot):
-        await wait_for(pilot, lambda: any(n.severity == "error" for n in app._notifications))
-        errors = [n for n in app._notifications if n.severity == "error"]
+        await wait_for(pilot, lambda: any(n.severity == "error" for n in notifications(app)))
+        errors = [n for n in notifications(app) if n.severity == "error"]
         assert "cannot draft for" in errors[0].message
         assert app.engine is None
         assert app.query_one(StatsPanel)  # the app is still up

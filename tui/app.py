@@ -19,10 +19,11 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Header, Input
 
 import edgespec
+from edgespec.modes import AUTO
 
 from .widgets import AssistantMessage, PairPicker, StatsPanel, UserMessage
 
-GAMMAS = ("auto", 1, 2, 3, 4, 6, 8, 16)
+GAMMAS = (AUTO, 1, 2, 3, 4, 6, 8, 16)
 REFRESH_S = 0.25  # redraw at most this often: drawing shares the CPU with llama.cpp
 
 
@@ -54,8 +55,8 @@ class ChatApp(App):
 
     speculation = reactive(True)
     colour = reactive(False)  # off: answers render as Markdown
-    draft_mode = reactive("auto")
-    gamma = reactive("auto")
+    draft_mode = reactive(edgespec.DraftMode.AUTO)
+    gamma = reactive(AUTO)
     generating = reactive(False)
 
     def __init__(
@@ -72,7 +73,7 @@ class ChatApp(App):
     ) -> None:
         super().__init__()
         self.set_reactive(ChatApp.draft_mode, draft_mode)
-        self.set_reactive(ChatApp.gamma, gamma or "auto")
+        self.set_reactive(ChatApp.gamma, gamma or AUTO)
         self.engine: edgespec.Engine | None = None
         self.messages: list[dict[str, str]] = []
         self.answer: AssistantMessage | None = None
@@ -130,7 +131,6 @@ class ChatApp(App):
             self._to_ui(self._load_failed, str(e))
         else:
             self._close_engine()
-            engine.defer_rechecks = True  # the engine thread re-checks costs when idle
             self.engine = self._engine_thread.engine = engine
             self._to_ui(self._engine_ready, engine)
         finally:
@@ -179,21 +179,21 @@ class ChatApp(App):
     def generate(self, answer: AssistantMessage) -> None:
         self._stop.clear()
         self.generating = True
-        settings = dict(
-            speculative=self.speculation,
-            draft_mode=self.draft_mode,
-            gamma=self.gamma,
+        request = edgespec.Request(
+            list(self.messages),
+            edgespec.SamplingParams(temperature=self.temperature),
             max_tokens=self.max_tokens,
-            temperature=self.temperature,
+            draft_mode=self.draft_mode if self.speculation else edgespec.DraftMode.OFF,
+            gamma=self.gamma,
         )
-        self._on_engine_thread(self._generate, answer, list(self.messages), settings)
+        self._on_engine_thread(self._generate, answer, request)
 
-    def _generate(self, answer: AssistantMessage, messages: list[dict], settings: dict) -> None:
+    def _generate(self, answer: AssistantMessage, request: edgespec.Request) -> None:
         pieces: list[tuple[str, str | None]] = []
         shown = monotonic()
         stats = None
         try:
-            events = self.engine.stream(messages, **settings)
+            events = self.engine.stream(request)
             for event in events:
                 pieces.append((event.text, event.source))
                 stats = event.stats
@@ -245,8 +245,9 @@ class ChatApp(App):
             message.coloured = self.colour
 
     def action_cycle_mode(self) -> None:
-        modes = self.engine.draft_modes if self.engine is not None else ("auto",)
-        self.draft_mode = modes[(modes.index(self.draft_mode) + 1) % len(modes)] if self.draft_mode in modes else "auto"
+        modes = self.engine.draft_modes if self.engine is not None else (edgespec.DraftMode.AUTO,)
+        at = modes.index(self.draft_mode) if self.draft_mode in modes else -1
+        self.draft_mode = modes[(at + 1) % len(modes)]
         self.notify(f"Draft mode: {self.draft_mode}")
 
     def action_cycle_gamma(self) -> None:

@@ -1,0 +1,92 @@
+"""What a request may speculate with (DraftMode) and where a round's draft came from (Source).
+
+Pure Python: the shells check their settings against these before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from .errors import EdgespecError
+
+AUTO = "auto"  # a draft length chosen per round
+
+
+class _Name(str, Enum):
+    """A name that is also its string (in f-strings, JSON and comparisons with str), on Python 3.10 too."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DraftMode(_Name):
+    AUTO = "auto"  # any drafter or none, chosen per round
+    MODEL = "model"
+    COPY = "copy"  # copies from the context or a prediction, and the text a grammar forces
+    HYBRID = "hybrid"  # a confident copy, else the model
+    OFF = "off"  # the target alone
+
+    @property
+    def needs_model(self) -> bool:
+        return self in (DraftMode.MODEL, DraftMode.HYBRID)
+
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        """The drafters this mode may draw on (Source.COPY stands for the copy drafter, whose
+        drafts come from the context or the prediction)."""
+        free = (Source.COPY, Source.GRAMMAR)
+        return {
+            DraftMode.AUTO: (*free, Source.MODEL),
+            DraftMode.MODEL: (Source.MODEL,),
+            DraftMode.COPY: free,
+            DraftMode.HYBRID: (*free, Source.MODEL),
+            DraftMode.OFF: (),
+        }[self]
+
+
+class Source(_Name):
+    """Who made a round's draft: the counts in Stats are keyed by these."""
+
+    OFF = "off"  # no draft: a plain target step
+    MODEL = "model"
+    COPY = "copy"  # copied from the context
+    PREDICTION = "prediction"  # copied from the request's predicted output
+    GRAMMAR = "grammar"  # the text the request's grammar forces
+
+    @property
+    def free(self) -> bool:
+        """Made without running a model: its acceptance is learnt from every token the target writes."""
+        return self in (Source.COPY, Source.PREDICTION, Source.GRAMMAR)
+
+
+MODES = tuple(DraftMode)
+
+
+def draft_mode(mode: str) -> DraftMode:
+    try:
+        return DraftMode(mode)
+    except ValueError:
+        raise EdgespecError(f"unknown draft mode '{mode}'; use one of {', '.join(MODES)}") from None
+
+
+def check_mode(mode: str, *, has_model: bool) -> DraftMode:
+    mode = draft_mode(mode)
+    if mode.needs_model and not has_model:
+        raise EdgespecError(f"draft mode '{mode}' needs a draft model; give a pair or --draft, or use copy")
+    return mode
+
+
+def draft_modes(*, has_model: bool) -> tuple[DraftMode, ...]:
+    """The draft modes an engine can speculate with: without a draft model, those that need none."""
+    return tuple(m for m in DraftMode if m is not DraftMode.OFF and (has_model or not m.needs_model))
+
+
+def check_gamma(gamma: int | str | None) -> int | str | None:
+    """A draft length: an integer >= 1, "auto" (chosen per round) or None (the default)."""
+    if gamma is None or gamma == AUTO:
+        return gamma
+    if isinstance(gamma, bool) or not isinstance(gamma, int):
+        raise EdgespecError(f'gamma must be an integer or "auto", got {gamma!r}')
+    if gamma < 1:
+        raise EdgespecError(f"gamma must be >= 1, got {gamma}; use --no-draft to switch speculation off")
+    return gamma

@@ -1,0 +1,185 @@
+"""One request's generation, from prefill to its last event: a Run owns what lives only as
+long as the request (the controller and its copy drafter, the grammar's state, the
+sequence, the statistics, the text stream); the engine owns the models and what is
+learnt across requests."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import numpy as np
+
+from .controller import Controller
+from .grammar import Grammar
+from .model import ContextFull, Model
+from .modes import AUTO, DraftMode, Source
+from .request import Request
+from .sampling import (
+    SamplingParams,
+    constrained,
+    constrained_argmax,
+    distribution,
+    position_uniforms,
+    verify,
+    verify_greedy,
+)
+from .stats import RoundTiming, Stats
+from .text import TextStream
+
+
+@dataclass
+class Event:
+    """One streamed step: a generated token, or (token None) the end of generation."""
+
+    text: str  # newly printable text; may be "" while bytes or a possible stop string are held back
+    token: int | None
+    source: str | None  # "draft": an accepted draft token; "target": sampled by the target itself
+    stats: Stats = field(repr=False)  # the live statistics of this generation
+
+    @property
+    def done(self) -> bool:
+        return self.token is None
+
+
+class Run:
+    """A request's answer, token by token (events()), and what speculation did (stats)."""
+
+    def __init__(
+        self, target: Model, request: Request, prompt: list[int], controller: Controller, grammar: Grammar | None
+    ) -> None:
+        """request: with the engine's defaults settled (Request.settled); prompt: its tokens."""
+        self.target, self.request, self.controller, self.grammar = target, request, controller, grammar
+        self.params: SamplingParams = request.sampling
+        self.prompt = prompt
+        self.seq = list(prompt)  # prompt + output; the target's KV cache holds seq[:-1]
+        max_tokens = request.max_tokens
+        self.limit = len(prompt) + max_tokens if max_tokens else target.n_ctx + 1
+        # the answer's randomness is a function of the seed and each token's position (see
+        # sampling.position_uniforms); drafts from the model draw from a stream of their own
+        self.seed = secrets.randbits(63) if self.params.seed is None else self.params.seed
+        self.rng = np.random.default_rng([self.seed, 1 << 62])
+        self.stats = Stats(
+            mode="target-only" if controller.mode is DraftMode.OFF else "speculative",
+            gamma=AUTO if controller.gamma is None else controller.gamma,
+            draft_mode=controller.mode,
+            n_prompt=len(prompt),
+            flash_attn=target.flash_attn,
+            repack=target.repack,
+            rollback=target.rollback.value,
+        )
+        if controller.V is not None:
+            self.stats.baseline_tokens_per_s = controller.off_rate()
+            if (rollback := controller.verify_rollback) is not None:
+                self.stats.checkpoint_steps = rollback.checkpoint_s / controller.V(1)
+                self.stats.restore_steps = rollback.restore_s / controller.V(1)
+        self.text = TextStream(request.stops)
+
+    def events(self) -> Iterator[Event]:
+        """Prefill, then the answer's tokens as events; the last has token None, the remaining
+        text and the final stats."""
+        target, stats = self.target, self.stats
+        start = perf_counter()
+        # the target's cache holds everything but the last token, which opens the first verify batch
+        stats.n_prompt_cached = target.sync(self.prompt)
+        target.eval(self.prompt[stats.n_prompt_cached : -1])
+        self.controller.prefill(self.prompt)
+        stats.prefill_s = perf_counter() - start
+
+        start = perf_counter()
+        try:
+            for new_tokens in self.rounds():
+                for token, from_draft in new_tokens:
+                    if target.is_eog(token):
+                        stats.finish_reason = "stop"
+                        break
+                    stats.n_tokens, stats.decode_s = stats.n_tokens + 1, perf_counter() - start
+                    yield Event(self.text.push(target.piece(token)), token, "draft" if from_draft else "target", stats)
+                    if self.text.stopped:
+                        stats.finish_reason = "stop_string"
+                    elif stats.n_tokens == self.request.max_tokens:
+                        stats.finish_reason = "length"
+                    if stats.finish_reason:
+                        break
+                if stats.finish_reason:
+                    break
+        except ContextFull:
+            stats.finish_reason = "context"
+        yield Event(self.text.flush(), None, None, stats)
+
+    def rounds(self) -> Iterator[list[tuple[int, bool]]]:
+        """Rounds of plan -> draft -> verify -> accept -> observe. Yields each round's new
+        tokens as (token, came from the draft); 1..γ+1 of them per round. Under a grammar (in
+        its state after seq; advanced here) the target's law at every row is p_g. Raises ContextFull."""
+        target, controller, grammar, params, seq = self.target, self.controller, self.grammar, self.params, self.seq
+        while True:
+            if grammar is not None and grammar.finished():  # only an end may follow: the target would pick one
+                yield [(target.eos, False)]
+                return
+            t0 = perf_counter()
+            # the controller picks a drafter and γ (or none); drafts past the context or the budget are wasted
+            room = min(target.n_ctx - len(seq), self.limit - len(seq) - 1)
+            plan = controller.plan(seq, room, grammar)
+            draft = controller.draft(plan, seq, params, self.rng, grammar)
+            t1 = perf_counter()
+
+            # a recurrent state cannot be cut back: keep a way back before a pass that may be rejected
+            if draft.tokens:
+                target.checkpoint(len(draft.tokens) + 1)
+            t_pass = perf_counter()
+
+            # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i)
+            rows = TargetRows(target.eval([seq[-1]] + draft.tokens, all_logits=True), params, grammar, draft.tokens)
+            if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
+                n, next_token = verify_greedy(draft.tokens, rows.argmax)
+            else:  # accept x_i w.p. min(1, p_i(x)/q_i(x)); else resample norm(max(p_i - q_i, 0)); bonus from p_γ
+                uniforms = position_uniforms(self.seed, len(seq), len(draft.tokens) + 1)
+                n, next_token = verify(draft.tokens, draft.q, rows.p, uniforms)
+            rows.advance(n, next_token)
+            t2 = perf_counter()
+
+            # drop the rejected drafts from the target's cache (the drafter trims its own)
+            target.truncate(len(seq) + n)
+            seq += draft.tokens[:n] + [next_token]
+            timing = RoundTiming(draft=t1 - t0, verify=t2 - t_pass, rollback=(t_pass - t1) + (perf_counter() - t2))
+            controller.observe(plan, draft, n, timing, seq)
+            self.stats.record_round(
+                Source(draft.source), len(draft.tokens), n, timing, controller.alphas(), controller.predicted.speedup
+            )
+            yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]
+
+
+class TargetRows:
+    """The target's law at each row of a verify pass, made only when verification gets
+    there. Under a grammar, row i is p_g in the grammar's state after draft[:i]: the
+    grammar walks along the draft as far as it is accepted, never past a rejection, so
+    it has nothing to roll back."""
+
+    def __init__(self, logits: np.ndarray, params: SamplingParams, grammar: Grammar | None, draft: list[int]) -> None:
+        self.logits, self.params, self.grammar, self.draft = logits, params, grammar, draft
+        self.walked = 0  # draft tokens the grammar has taken
+
+    def p(self, i: int) -> np.ndarray:
+        if self.grammar is None:
+            return distribution(self.logits[i], self.params)
+        self._walk(i)
+        return constrained(self.logits[i], self.params, self.grammar.allows)
+
+    def argmax(self, i: int) -> int:
+        if self.grammar is None:
+            return int(np.argmax(self.logits[i]))
+        self._walk(i)
+        return constrained_argmax(self.logits[i], self.grammar.allows)
+
+    def advance(self, n_accepted: int, next_token: int) -> None:
+        """Take the round's tokens into the grammar: the accepted draft, then the next token."""
+        if self.grammar is not None:
+            self._walk(n_accepted)
+            self.grammar.accept(next_token)
+
+    def _walk(self, i: int) -> None:
+        while self.walked < i:
+            self.grammar.accept(self.draft[self.walked])
+            self.walked += 1
