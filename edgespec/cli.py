@@ -112,13 +112,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(file=sys.stderr)
             print(f"[{stats.mode}] {stats.summary()}", file=sys.stderr)
+        if stats.finish_reason == "context":
+            print(
+                f"edgespec: the context ({engine.target.n_ctx} tokens) is full; the answer was cut (raise --ctx)",
+                file=sys.stderr,
+            )
         sys.stdout.flush()
         engine.upkeep()  # the answer is out: time again what it found stale, for the next run
-    if stats.finish_reason == "context":
-        print(
-            f"edgespec: the context ({engine.target.n_ctx} tokens) is full; the answer was cut (raise --ctx)",
-            file=sys.stderr,
-        )
     return 0
 
 
@@ -217,7 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = worker.wait_loaded()
     names = [args.target, args.draft] if args.target else _pair_models(load_registry(), args.pair)
     target, draft = (Path(m).name if m and Path(m).suffix == ".gguf" else m for m in names)
-    app = Api(worker, target, draft if engine.drafter else None, args.api_key).app()
+    app = Api(worker, target, draft if engine.drafter else None, args.api_key, args.max_tokens).app()
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
     auth = " -H 'Authorization: Bearer YOUR_KEY'" if args.api_key else ""
@@ -314,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    v.add_argument(
+        "--max-tokens",
+        type=int,
+        help="tokens at most in an answer whose request sets no limit (default: until the model stops or"
+        " the context is full); a cap for agents whose model may repeat itself",
+    )
     v.add_argument(
         "--cache-ram",
         type=int,

@@ -19,7 +19,7 @@ from .modes import DraftMode, check_mode, draft_modes
 from .request import Prompt, Request
 from .run import Event, Run
 from .stats import Stats
-from .tools import ToolCall, ToolCallParser, call_grammar, prepare
+from .tools import ToolCall, call_grammar, prepare
 
 RECHECK_SHARE = 0.05  # at most this share of an engine's time goes to timing costs again
 MAX_CHARS_PER_TOKEN = 256  # longer than any token of the tokenizers we know (Qwen2.5's longest: 128 bytes)
@@ -143,10 +143,9 @@ class Engine:
             text.append(event.text)
             if not event.done:
                 tokens.append(event.token)
-        request = run.request
-        if not request.calls_tools:
+        parser = run.request.call_parser()
+        if parser is None:
             return Generation("".join(text), tokens, event.stats)
-        parser = ToolCallParser(request.tool_choice.opening, parallel=request.parallel_tool_calls)
         head, _ = parser.feed("".join(text))
         tail, _ = parser.finish()
         return Generation(head + tail, tokens, event.stats, parser.calls)

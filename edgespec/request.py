@@ -47,8 +47,9 @@ class Request:
     tool_choice: OpenAI's (auto, none, required or a named function) or a ToolChoice.
     "required" and a function start the answer with the call's opening and constrain the
     rest to the calls allowed (tools.call_grammar); the events do not repeat the opening:
-    read them with ToolCallParser(request.tool_choice.opening), or use Engine.generate, which
-    returns the calls parsed. A named function, or parallel_tool_calls=False, ends the answer
+    read them with request.call_parser(), or use Engine.generate, which returns the calls
+    parsed (in auto mode also those a small model writes as a fenced JSON object or the like:
+    tools.read_loose_call). A named function, or parallel_tool_calls=False, ends the answer
     with the (first) call.
     grammar: GBNF text (root rule `root`) the answer must match; json_schema: a JSON schema
     (dict or JSON text) the answer must be an instance of, written on one line in
@@ -153,6 +154,13 @@ class Request:
     def calls_tools(self) -> bool:
         """Whether the answer may call tools."""
         return bool(self.tools) and self.tool_choice.mode != "none"
+
+    def call_parser(self) -> tools.ToolCallParser | None:
+        """What reads the answer's tool calls apart from its text (None where it calls none)."""
+        if not self.calls_tools:
+            return None
+        names = [t["function"]["name"] for t in self.tools]
+        return tools.ToolCallParser(self.tool_choice.opening, parallel=self.parallel_tool_calls, names=names)
 
     @property
     def stops(self) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from .sampling import (
     verify,
     verify_greedy,
 )
-from .stats import RoundTiming, Stats
+from .stats import RoundTiming, Stats, trailing_repeat
 from .text import TextStream
 
 
@@ -107,6 +107,7 @@ class Run:
                     break
         except ContextFull:
             stats.finish_reason = "context"
+        stats.repeated_tokens, stats.repeat_period = trailing_repeat(self.seq[len(self.prompt) :])
         yield Event(self.text.flush(), None, None, stats)
 
     def rounds(self) -> Iterator[list[tuple[int, bool]]]:

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -34,7 +34,7 @@ from .engine import Engine, Event
 from .engine_thread import EngineThread
 from .errors import EdgespecError
 from .request import Request, RequestError, json_field
-from .stats import Stats
+from .stats import LOOPING, Stats
 
 MAX_BODY = 8 << 20  # bytes: a whole source file as a prediction fits many times over
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
@@ -71,10 +71,13 @@ class Job:
     events: asyncio.Queue | None = None
 
     @classmethod
-    def from_openai(cls, body: dict, *, chat: bool) -> Job:
-        """The job of an OpenAI request body, or ApiError(400) naming the first field that is wrong."""
+    def from_openai(cls, body: dict, *, chat: bool, max_tokens: int | None = None) -> Job:
+        """The job of an OpenAI request body, or ApiError(400) naming the first field that is wrong.
+        max_tokens: the cap of an answer the request sets no limit for (None: none)."""
         try:
             request = Request.from_openai(body, chat=chat)
+            if request.max_tokens is None and max_tokens is not None:
+                request = replace(request, max_tokens=max_tokens)
             stream = json_field(body, "stream", (bool,), False)
             options = body.get("stream_options") or {}
             if not isinstance(options, dict):
@@ -186,8 +189,18 @@ def usage(stats: Stats, predicted: bool) -> dict:
 class Api:
     """The HTTP endpoints over one engine."""
 
-    def __init__(self, worker: Worker, model_name: str, draft_name: str | None, api_key: str | None) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        model_name: str,
+        draft_name: str | None,
+        api_key: str | None,
+        max_tokens: int | None = None,
+    ) -> None:
+        """max_tokens: the cap of answers whose requests set no limit (None: until the model stops
+        or the context is full)."""
         self.worker, self.model_name, self.draft_name, self.api_key = worker, model_name, draft_name, api_key
+        self.max_tokens = max_tokens
 
     def app(self) -> Starlette:
         @asynccontextmanager
@@ -225,7 +238,7 @@ class Api:
     async def _answer(self, request: HttpRequest, kind: str) -> Response:
         watcher = None
         try:
-            job = Job.from_openai(await _json_body(request), chat=kind == "chat.completion")
+            job = Job.from_openai(await _json_body(request), chat=kind == "chat.completion", max_tokens=self.max_tokens)
             self.worker.submit(job)
             watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
             first = await job.events.get()
@@ -257,10 +270,7 @@ class _Reply:
         self.kind, self.model, self.job = kind, model, job
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id, self.created = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
-        request = job.request
-        self.calls = None  # reads tool calls out of the answer, where tools may be called
-        if request.calls_tools:
-            self.calls = tools.ToolCallParser(request.tool_choice.opening, parallel=request.parallel_tool_calls)
+        self.calls = job.request.call_parser()  # reads tool calls out of the answer, where tools may be called
 
     def _split(self, text: str, *, last: bool = False) -> tuple[str, list[tools.ToolCall]]:
         """The answer's new text -> (its text to show, the tool calls it completed)."""
@@ -363,6 +373,13 @@ def _log_answer(stats: Stats) -> None:
     )
     if stats.finish_reason == "context":
         log.warning("the context window is full: the answer was cut; start the server with a larger --ctx")
+    if stats.repeated_tokens >= LOOPING:
+        log.warning(
+            "the answer's last %d tokens repeat one %d-token span: the model was looping"
+            " (a request's max_tokens, or serve --max-tokens, ends such answers sooner)",
+            stats.repeated_tokens,
+            stats.repeat_period,
+        )
 
 
 async def _json_body(request: HttpRequest) -> dict:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from .cost_curve import expected_tokens
 from .modes import Source
 
@@ -39,6 +41,21 @@ SUMMED = (
 # what combine() takes from the first generation: the machine's settings, not counts
 SETTINGS = ("flash_attn", "repack", "baseline_tokens_per_s", "rollback", "checkpoint_steps", "restore_steps")
 SUMMED_BY_SOURCE = ("rounds_by_source", "drafted_by_source", "accepted_by_source")
+LOOPING = 64  # an answer ending in this many repeated tokens is worth saying so
+MAX_PERIOD = 256  # the longest repeated span looked for
+
+
+def trailing_repeat(tokens) -> tuple[int, int]:
+    """(tokens, period): the longest stretch at the end of `tokens` made of one span of `period`
+    tokens written at least twice in a row, first copy included; (0, 0) if there is none."""
+    out = np.asarray(tokens)
+    best = (0, 0)
+    for period in range(1, min(MAX_PERIOD, len(out) // 2) + 1):
+        same = (out[period:] == out[:-period])[::-1]
+        run = len(same) if same.all() else int(np.argmin(same))  # repeats, counted from the end
+        if run >= period and run + period > best[0]:
+            best = (run + period, period)
+    return best
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,10 @@ class Stats:
     rollback: str = "truncate"
     checkpoint_steps: float = 0.0
     restore_steps: float = 0.0
+    # the answer's last stretch of tokens that repeats one span over and over (0: none), and the
+    # span's length: a model looping (under a forced tool call, say) shows here
+    repeated_tokens: int = 0
+    repeat_period: int = 0
 
     @property
     def accepted_prediction_tokens(self) -> int:
@@ -214,6 +235,8 @@ class Stats:
             line += f", rollback by {self.rollback}"
             if self.checkpoint_steps or self.restore_steps:
                 line += f" (checkpoint {self.checkpoint_steps:.2f}, restore {self.restore_steps:.2f} target steps)"
+        if self.repeated_tokens >= LOOPING:
+            line += f", the last {self.repeated_tokens} tokens repeat a {self.repeat_period}-token span"
         rollback = f", rollback {self.rollback_s:.2f}s" if self.rollback != "truncate" else ""
         split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s{rollback}, other {self.other_s:.2f}s"
         return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"

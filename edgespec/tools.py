@@ -12,14 +12,20 @@ generic format the same way). A call is forced (tool_choice "required", or a nam
 function) by opening the answer with `<tool_call>` and constraining the rest with a
 grammar of the calls allowed (call_grammar): a call's name and the arguments' keys and
 punctuation are then drafted for free, and its arguments match the function's schema.
-The parser is told the opening, so it reads the answer as the model's whole turn.
+The parser is told the opening, so it reads the answer as the model's whole turn. Where
+the model chooses (auto), it also reads the calls small models write their own way at the
+start of an answer (a fenced JSON object, other wrapper tags, <function=NAME>), for the tools
+declared (read_loose_call).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from enum import Enum
 
 from .errors import EdgespecError
 from .grammar import json_schema_gbnf
@@ -174,19 +180,24 @@ def _call_text(call: dict) -> str:
 
 class ToolCallParser:
     """Splits an answer into its text and its tool calls as it streams. A call whose
-    JSON does not parse stays text."""
+    JSON does not parse stays text. names: the tools declared, whose calls are also read in
+    the loose forms at the start of the answer (read_loose_call); while the start may still
+    be one, its text is held back."""
 
-    def __init__(self, opening: str = "", *, parallel: bool = True) -> None:
+    def __init__(self, opening: str = "", *, parallel: bool = True, names: Collection[str] = ()) -> None:
         self.parallel = parallel
+        self.names = frozenset(names)
         self.calls: list[ToolCall] = []  # all so far
         self._buffer = opening
         self._in_call = False
+        self._at_start = bool(self.names) and not opening  # only calls (or nothing) read so far
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """New answer text -> (text to show now, calls completed now)."""
         self._buffer += text
         shown, calls = [], []
-        while True:
+        self._read_loose(calls, final=False)
+        while not self._at_start:
             if not self._in_call:
                 at = self._buffer.find(OPEN)
                 if at < 0:  # hold back what may be the start of an opening tag
@@ -208,27 +219,59 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The end of the answer: what is left (an unclosed call is read as far as it goes)."""
         calls: list[ToolCall] = []
+        self._read_loose(calls, final=True)
+        shown, more = self.feed("")  # what the start held back, read as usual
+        calls += more
         text = self._take(self._buffer, calls, closed=False) if self._in_call else self._buffer
         self._buffer, self._in_call = "", False
-        return text, calls
+        return shown + text, calls
 
     def _take(self, body: str, calls: list[ToolCall], *, closed: bool) -> str:
         call = parse_call(body)
         if call is None:
             return f"{OPEN}{body}{CLOSE if closed else ''}"
+        self._add(call, calls)
+        return ""
+
+    def _add(self, call: ToolCall, calls: list[ToolCall]) -> None:
         if self.parallel or not self.calls:
             self.calls.append(call)
             calls.append(call)
-        return ""
+
+    def _read_loose(self, calls: list[ToolCall], *, final: bool) -> None:
+        """At the answer's start: take the calls written in the loose forms, until the text is
+        no such call (then it is read as usual) or may still become one (held back)."""
+        while self._at_start:
+            if self._buffer.lstrip().startswith(OPEN):  # the format of the prompt: read as usual
+                self._at_start = False
+                return
+            found = read_loose_call(self._buffer, self.names, final=final)
+            if found is Loose.INCOMPLETE:
+                return
+            if found is Loose.NOT_A_CALL:
+                self._at_start = False
+                return
+            self._add(found.call, calls)
+            self._buffer = self._buffer[found.end :]
 
 
 def parse_call(body: str) -> ToolCall | None:
-    """One call's JSON, {"name": ..., "arguments": {...}}, or None if it is not one."""
+    """One call's JSON, {"name": ..., "arguments": {...}} (in a ```json fence or not), or None
+    if it is not one."""
+    fenced = FENCED.fullmatch(body)
     try:
-        value, _ = json.JSONDecoder().raw_decode(body.strip())
+        value, _ = json.JSONDecoder().raw_decode((fenced.group(1) if fenced else body).strip())
     except ValueError:
         return None
+    return _call(value)
+
+
+def _call(value, names: Collection[str] | None = None) -> ToolCall | None:
+    """The call a decoded {"name": ..., "arguments" or "parameters": ...} object is (of one of
+    `names`, if given), or None."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    if names is not None and value["name"] not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
@@ -238,3 +281,63 @@ def parse_call(body: str) -> ToolCall | None:
             return None
         return ToolCall(value["name"], arguments)
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+# --- the calls small models write instead ---------------------------------------------
+# Asked with tool_choice auto, small models often write a call their own way (llama.cpp's
+# Hermes/Qwen parser took these): an optional ```json / ```xml fence, an optional wrapper tag,
+# then {"name": ..., "arguments" or "parameters": ...} naming a declared tool, or
+# <function=NAME>{...}</function>. Read only at the start of the answer (a call there, or
+# calls one after the other, is what the model meant as its turn; one quoted later is not).
+LOOSE_OPENING = re.compile(r"\s*(```[A-Za-z_]*[ \t]*\n)?\s*(?:<(function_call|tools|json|tool_call)>)?\s*")
+FUNCTION_TAG = re.compile(r"<function=([^>\s]+)>\s*")
+LOOSE_TAGS = ("<function=", "<function_call>", "<tools>", "<json>", "<tool_call>")
+LOOSE_STARTS = ("```", "{", *LOOSE_TAGS)
+FENCED = re.compile(r"\s*```[A-Za-z_]*[ \t]*\n(.*?)\s*```\s*", re.S)
+
+
+class Loose(Enum):
+    INCOMPLETE = "more text may make it a call"
+    NOT_A_CALL = "no text can"
+
+
+@dataclass(frozen=True)
+class LooseCall:
+    call: ToolCall
+    end: int  # the characters of the text it took, closing tags and fence included
+
+
+def read_loose_call(text: str, names: Collection[str], *, final: bool) -> LooseCall | Loose:
+    """The call `text` starts with in one of the loose forms (final: no more text comes)."""
+    head = text.lstrip()
+    if not head.startswith(LOOSE_STARTS):
+        may_grow = not final and any(start.startswith(head) for start in LOOSE_STARTS)
+        return Loose.INCOMPLETE if may_grow else Loose.NOT_A_CALL
+    opening = LOOSE_OPENING.match(text)
+    if head.startswith("```") and opening.group(1) is None:  # the fence's first line is not in yet
+        return Loose.INCOMPLETE if not final and "\n" not in head else Loose.NOT_A_CALL
+    at, rest = opening.end(), text[opening.end() :]
+    if not final and any(tag.startswith(rest) and tag != rest for tag in LOOSE_TAGS):
+        return Loose.INCOMPLETE  # a tag coming in pieces
+    closers = [f"</{opening.group(2)}>"] if opening.group(2) else []
+    name = None
+    if rest.startswith("<function="):
+        if (tag := FUNCTION_TAG.match(text, at)) is None:
+            return Loose.INCOMPLETE if not final and ">" not in rest else Loose.NOT_A_CALL
+        name, at = tag.group(1), tag.end()
+        closers.insert(0, "</function>")
+    try:
+        value, at = json.JSONDecoder().raw_decode(text, at)
+    except ValueError:
+        may_grow = not final and (text[at:].lstrip().startswith("{") or not text[at:].strip())
+        return Loose.INCOMPLETE if may_grow else Loose.NOT_A_CALL
+    call = _call(value if name is None else {"name": name, "arguments": value}, names)
+    if call is None:
+        return Loose.NOT_A_CALL
+    for closer in closers + (["```"] if opening.group(1) else []):  # each may be left out
+        rest = text[at:].lstrip()
+        if rest.startswith(closer):
+            at = len(text) - len(rest) + len(closer)
+        elif not final and closer.startswith(rest):
+            return Loose.INCOMPLETE
+    return LooseCall(call, at)

@@ -174,3 +174,113 @@ def test_cache_ram_zero_keeps_only_the_live_prompt():
         assert usage.prompt_tokens_details.cached_tokens < 0.5 * usage.prompt_tokens
     finally:
         assert s.stop() == 0
+
+
+# --- the calls small models write their own way (auto) -----------------------------
+
+WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+LOOSE_FORMS = [
+    f"```json\n{WEATHER_CALL}\n```",
+    f"```\n{WEATHER_CALL}\n```",
+    f"```xml\n<tool_call>\n{WEATHER_CALL}\n</tool_call>\n```",
+    WEATHER_CALL,
+    f"  {WEATHER_CALL}\n\nI called the weather tool.",
+    f"<function_call>{WEATHER_CALL}</function_call>",
+    f"<tools>\n{WEATHER_CALL}\n</tools>",
+    f"<json>{WEATHER_CALL}</json>",
+    '<function=get_weather>{"city": "Paris"}</function>',
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
+    f"<tool_call>\n```json\n{WEATHER_CALL}\n```\n</tool_call>",
+]
+
+
+def read_all(text: str, pieces: int, **options) -> tuple[str, list]:
+    parser = ToolCallParser(**({"names": ["get_weather", "get_time"]} | options))
+    step = max(1, len(text) // pieces)
+    shown, calls = "", []
+    for i in range(0, len(text), step):
+        more, found = parser.feed(text[i : i + step])
+        shown, calls = shown + more, calls + found
+    rest, found = parser.finish()
+    return shown + rest, calls + found
+
+
+@pytest.mark.parametrize("text", LOOSE_FORMS)
+@pytest.mark.parametrize("pieces", [1, 7, 1000])  # whole, in a few pieces, a character at a time
+def test_the_calls_small_models_write_are_read_as_calls(text, pieces):
+    shown, calls = read_all(text, pieces)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert shown.strip() in ("", "I called the weather tool.")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '```json\n{"name": "send_mail", "arguments": {}}\n```',  # not a declared tool
+        f"Here is how a call looks: {WEATHER_CALL}",  # not at the start
+        '```python\nprint("hi")\n```',
+        '{"city": "Paris"}',  # an answer in JSON, not a call
+        '{"name": "get_weather", "arguments": {oops}}',
+        "<json>just text</json>",
+    ],
+)
+def test_other_text_stays_text(text):
+    for pieces in (1, 5, 1000):
+        assert read_all(text, pieces) == (text, [])
+
+
+def test_several_loose_calls_at_the_start_and_parallel_off():
+    two = f"```json\n{WEATHER_CALL}\n```\n```json\n" + '{"name": "get_time", "arguments": {}}\n```'
+    assert [c.name for c in read_all(two, 9)[1]] == ["get_weather", "get_time"]
+    assert [c.name for c in read_all(two, 9, parallel=False)[1]] == ["get_weather"]
+    assert read_all(WEATHER_CALL, 3, names=[]) == (WEATHER_CALL, [])  # no tools declared: text
+
+
+def test_an_auto_mode_agent_loop_gets_the_call_the_model_wrote_in_a_fence(server):
+    """The openai-agents request (tool_choice auto, strict tools); the model (held to it here by
+    a grammar, as Qwen2.5-Coder writes it unheld) answers with a ```json block: the agent gets a
+    tool call, sends the result back, and gets a text answer."""
+    body = recorded("openai-agents-chat.json")["body"]
+    fenced = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+    held = {"grammar": f"root ::= {json.dumps(fenced)}"}  # a GBNF literal is written as a JSON string is
+    client = server.client()
+    first = client.chat.completions.create(**body, temperature=0, extra_body=held)
+    (call,) = first.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert first.choices[0].finish_reason == "tool_calls" and not first.choices[0].message.content
+    streamed = client.chat.completions.create(**body, temperature=0, stream=True, extra_body=held)
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    assert [t.function.name for d in deltas for t in d.tool_calls or ()] == ["get_weather"]
+    assert not "".join(d.content or "" for d in deltas)
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18, "sky": "clear"}'}
+    history = [*body["messages"], first.choices[0].message.model_dump(exclude_none=True), result]
+    answer = client.chat.completions.create(**(body | {"messages": history}), temperature=0, max_tokens=24)
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_serve_max_tokens_caps_answers_without_a_limit():
+    s = Server("--pair", "smollm2-self", "--ctx", "1024", "--max-tokens", "12")
+    try:
+        client = s.client()
+        counting = ", ".join(str(i) for i in range(1, 30)) + ","
+        capped = client.completions.create(model="x", prompt=counting, temperature=0)
+        assert capped.usage.completion_tokens == 12 and capped.choices[0].finish_reason == "length"
+        asked = client.completions.create(model="x", prompt=counting, temperature=0, max_tokens=20)
+        assert asked.usage.completion_tokens == 20  # a request's own limit wins
+    finally:
+        assert s.stop() == 0
+
+
+def test_an_answer_that_loops_says_so():
+    s = Server("--pair", "smollm2-self", "--ctx", "1024")
+    try:
+        loop = 'root ::= "Paris" (", Paris")*'
+        reply = s.client().completions.create(
+            model="x", prompt="Cities:", temperature=0, max_tokens=120, extra_body={"grammar": loop}
+        )
+        stats = reply.model_extra["speculative"]
+        assert stats["repeated_tokens"] >= 100 and 2 <= stats["repeat_period"] <= 8, stats  # ", Paris" in tokens
+    finally:
+        assert s.stop() == 0
+    assert any("repeat one" in line and "looping" in line for line in s.lines), "".join(s.lines)
