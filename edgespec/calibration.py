@@ -72,26 +72,22 @@ class Timer:
         self.probed: dict[str, dict[int, float]] = {}
 
     def __call__(self, model: Model, k: int, tries: int) -> float:
-        return _time_passes(model, k, tries)
-
-
-def _time_passes(model: Model, k: int, tries: int) -> float:
-    if not model.tokens:
-        model.eval([0] * PROBE_DEPTH)
-        model.checkpoint(1)
-        model.eval([0], all_logits=True)  # warm-up: first decodes allocate
-        model.truncate(PROBE_DEPTH)
-    base = len(model.tokens)
-    if base + k > model.n_ctx:
-        return float("nan")
-    best = float("inf")
-    for _ in range(tries):
-        model.checkpoint(k)  # (a recurrent state: timed apart, see measure_rollback)
-        start = perf_counter()
-        model.eval(model.tokens[-1:] * k, all_logits=True)
-        best = min(best, perf_counter() - start)
-        model.truncate(base)
-    return best
+        if not model.tokens:
+            model.eval([0] * PROBE_DEPTH)
+            model.checkpoint(1)
+            model.eval([0], all_logits=True)  # warm-up: first decodes allocate
+            model.truncate(PROBE_DEPTH)
+        base = len(model.tokens)
+        if base + k > model.n_ctx:
+            return float("nan")
+        best = float("inf")
+        for _ in range(tries):
+            model.checkpoint(k)  # (a recurrent state: timed apart, see measure_rollback)
+            start = perf_counter()
+            model.eval(model.tokens[-1:] * k, all_logits=True)
+            best = min(best, perf_counter() - start)
+            model.truncate(base)
+        return best
 
 
 TIMER = Timer()  # this process's

@@ -410,7 +410,7 @@ class Controller:
             self.predicted.steps += seconds / self.cost(Source.OFF, 0)
         for learnt in (*self.acceptance.values(), *self.live.values()):
             learnt.decay()
-        source = Source(draft.source)
+        source = draft.source
         if draft.tokens and not source.free:  # free drafts learn from every token (below)
             self.acceptance_of(plan.key).observe(n_accepted, len(draft.tokens))
         if self.V is not None:

@@ -41,6 +41,9 @@ class Draft:
     q: np.ndarray | None = None
     source: Source = Source.MODEL  # which kind of drafter made it: acceptance is tracked per source
 
+    def __post_init__(self) -> None:
+        self.source = Source(self.source)  # (a drafter of the user's may name it as a string)
+
 
 class Drafter(Protocol):
     def prefill(self, context: list[int]) -> None:

@@ -88,8 +88,7 @@ class Request:
         if self.draft_mode is not None:
             set_("draft_mode", _field(draft_mode, self.draft_mode, param="draft_mode"))
         set_("gamma", _field(check_gamma, self.gamma, param="gamma"))
-        given = None if self.tools is None else list(self.tools) if isinstance(self.tools, tuple) else self.tools
-        choice = _field(tools.tool_choice_of, given, self.tool_choice, param="tools")
+        choice = _field(tools.tool_choice_of, self.tools, self.tool_choice, param="tools")
         if self.tools is not None:
             set_("tools", tuple(self.tools))
         set_("tool_choice", choice)

@@ -15,7 +15,7 @@ import numpy as np
 from .controller import Controller
 from .grammar import Grammar
 from .model import ContextFull, Model
-from .modes import AUTO, DraftMode, Source
+from .modes import AUTO, DraftMode
 from .request import Request
 from .sampling import (
     SamplingParams,
@@ -147,7 +147,7 @@ class Run:
             timing = RoundTiming(draft=t1 - t0, verify=t2 - t_pass, rollback=(t_pass - t1) + (perf_counter() - t2))
             controller.observe(plan, draft, n, timing, seq)
             self.stats.record_round(
-                Source(draft.source), len(draft.tokens), n, timing, controller.alphas(), controller.predicted.speedup
+                draft.source, len(draft.tokens), n, timing, controller.alphas(), controller.predicted.speedup
             )
             yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]
 

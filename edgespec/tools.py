@@ -84,7 +84,7 @@ def _call_schema(function: dict) -> dict:
 
 def check(tools, tool_choice) -> ToolChoice:
     """Validate OpenAI's `tools` and `tool_choice`; one sentence on what is wrong."""
-    if not isinstance(tools, list) or not all(_is_function(t) for t in tools):
+    if not isinstance(tools, (list, tuple)) or not all(_is_function(t) for t in tools):
         raise EdgespecError(
             '\'tools\' must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}'
         )
