@@ -56,7 +56,8 @@ def _request(args: argparse.Namespace, prompt: str = "", **reading) -> Request:
     """The request the arguments describe (checked as any request is), so that a typo fails
     before any model is loaded and costs no load time. reading: what was read from files."""
     check_mode(args.draft_mode, has_model=args.target is None or args.draft is not None)
-    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "seed") if hasattr(args, k)}
+    names = ("temperature", "top_k", "top_p", "min_p", "seed")
+    sampling = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
     return Request(
         prompt,
         SamplingParams(**sampling),
@@ -217,14 +218,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = worker.wait_loaded()
     names = [args.target, args.draft] if args.target else _pair_models(load_registry(), args.pair)
     target, draft = (Path(m).name if m and Path(m).suffix == ".gguf" else m for m in names)
-    app = Api(worker, target, draft if engine.drafter else None, args.api_key, args.max_tokens).app()
+    app = Api(worker, target, draft if engine.drafter else None, args.api_key, args.max_tokens, args.temperature).app()
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
     auth = " -H 'Authorization: Bearer YOUR_KEY'" if args.api_key else ""
     drafted = f" drafted by {draft}" if engine.drafter else ""
     context = f"context {engine.target.n_ctx} tokens (trained {engine.target.n_ctx_train})"
     print(f"edgespec serve: {target}{drafted}, {context}", file=sys.stderr)
-    print(f"  OpenAI API at {url} (Ctrl+C stops)", file=sys.stderr)
+    print(f"  OpenAI API at {url} (chat completions, completions, responses; Ctrl+C stops)", file=sys.stderr)
+    print(
+        f"  Anthropic API at {url.removesuffix('/v1')} (messages): ANTHROPIC_BASE_URL for Claude Code", file=sys.stderr
+    )
     print(
         f"  try: curl {url}/chat/completions -H 'Content-Type: application/json'{auth}"
         """ -d '{"messages": [{"role": "user", "content": "Hello"}]}'""",
@@ -309,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_chat)
 
-    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (chat, completions, predicted outputs)")
+    v = sub.add_parser(
+        "serve", help="an HTTP API for OpenAI and Anthropic clients (chat, completions, responses, messages)"
+    )
     _model_options(v)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
@@ -319,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="tokens at most in an answer whose request sets no limit (default: until the model stops or"
         " the context is full); a cap for agents whose model may repeat itself",
+    )
+    v.add_argument(
+        "--temperature",
+        type=float,
+        help=f"the temperature of requests that set none (default {DEFAULT.temperature:g}); Claude Code sends"
+        " none, and small models call tools more reliably at 0",
     )
     v.add_argument(
         "--cache-ram",

@@ -12,7 +12,7 @@ from .chat import PromptTooLong, render
 from .controller import Controller
 from .cost_curve import RollbackCost
 from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter
-from .errors import EdgespecError
+from .errors import EdgespecError, PromptExceedsContext
 from .grammar import Grammar, grammar_text
 from .model import Model
 from .modes import DraftMode, check_mode, draft_modes
@@ -121,7 +121,7 @@ class Engine:
         Request.of's keywords (temperature=0, max_tokens=200, ...). The last event has token
         None, the remaining text and the final stats. A bad request raises EdgespecError here,
         before the first event."""
-        return self._events(self.start(request, **options))
+        return self.events(self.start(request, **options))
 
     def start(self, request: Request | Prompt, **options) -> Run:
         """The request's Run, ready to give its events (the prompt rendered and checked, the grammar compiled)."""
@@ -139,7 +139,7 @@ class Engine:
         """Like stream(), but return the whole answer (with tools: its text and tool calls apart)."""
         run = self.start(request, **options)
         text, tokens = [], []
-        for event in self._events(run):
+        for event in self.events(run):
             text.append(event.text)
             if not event.done:
                 tokens.append(event.token)
@@ -155,9 +155,10 @@ class Engine:
         each turn: the KV cache of the common prefix is reused, not recomputed."""
         return self.generate(messages, **options)
 
-    def prompt_tokens(self, request: Request | Prompt, **options) -> list[int]:
+    def prompt_tokens(self, request: Request | Prompt, *, fit: bool = True, **options) -> list[int]:
         """The request's prompt as the target reads it: rendered with the chat template (and
-        the tools), tokenized, and checked against the context."""
+        the tools), tokenized, and checked against the context (fit=False: counted whatever
+        its length, up to what the tokenizer is given at all)."""
         request, target = _request(request, options), self.target
         # a text this long cannot fit in the context whatever its tokens: refused before
         # llama.cpp's tokenizer spends seconds (and memory) on it
@@ -185,14 +186,12 @@ class Engine:
             raise EdgespecError("the prompt is empty; give some text")
         if len(tokens) > 1 and tokens[0] == tokens[1] == target.bos:  # template wrote BOS and so did add_special
             tokens = tokens[1:]
-        if len(tokens) >= target.n_ctx:
+        if fit and len(tokens) >= target.n_ctx:
             raise self._too_long(f"{len(tokens)} tokens")
         return tokens
 
-    def _too_long(self, size: str) -> EdgespecError:
-        return EdgespecError(
-            f"the prompt is {size} but the context holds {self.target.n_ctx} tokens; shorten the prompt or raise --ctx"
-        )
+    def _too_long(self, size: str) -> PromptExceedsContext:
+        return PromptExceedsContext(size, self.target.n_ctx)
 
     def _controller(self, request: Request, copy: CopyDrafter) -> Controller:
         mode, gamma = request.draft_mode, request.fixed_gamma
@@ -203,7 +202,9 @@ class Engine:
         rollbacks = [self.rollback_cost(m) if adaptive and m else None for m in (self.target, draft_model)]
         return Controller(mode, gamma, verify_cost, draft_cost, self.drafter, copy, self.forced, *rollbacks)
 
-    def _events(self, run: Run) -> Iterator[Event]:
+    def events(self, run: Run) -> Iterator[Event]:
+        """The events of a started Run (what stream() gives): a caller that must know the
+        request is good before its prefill (the server) starts it, then takes its events."""
         for event in run.events():
             if event.done:  # before the last event goes out: an engine thread re-checks once the answer is in
                 self._schedule_recheck(run)
@@ -220,14 +221,29 @@ class Engine:
         elif self._recheck_credit >= 0 and self.recheck is Recheck.NONE:
             self.recheck = Recheck.DUE
 
+    @property
+    def models(self) -> list[Model]:
+        """The target, and the draft model if there is one."""
+        return [m for m in (self.target, getattr(self.drafter, "model", None)) if m is not None]
+
     def forget(self) -> None:
         """Empty the KV caches and the saved prompts: the next prompt is evaluated from
         scratch (as bench needs, to time prefill)."""
-        for model in (self.target, getattr(self.drafter, "model", None)):
-            if model is not None:
-                model.truncate(0)
-                if model.prompt_cache is not None:
-                    model.prompt_cache.drop(model)
+        for model in self.models:
+            model.truncate(0)
+            if model.prompt_cache is not None:
+                model.prompt_cache.drop(model)
+
+    def save_prompts(self) -> int:
+        """Keep the prompt cache, the live prompts with it, on disk for the next engine of these
+        model files (see prompt_cache.py); the bytes kept (0 without a prompt cache)."""
+        cache = self.target.prompt_cache
+        return cache.save_to_disk(self.models) if cache is not None else 0
+
+    def load_prompts(self) -> int:
+        """Take in the prompts an engine of these model files kept on disk; how many."""
+        cache = self.target.prompt_cache
+        return cache.load_from_disk(self.models) if cache is not None else 0
 
     def close(self) -> None:
         """Keep what real rounds taught about costs, then free llama.cpp's memory."""

@@ -8,7 +8,7 @@ the engine's upkeep (Engine.upkeep: re-timing costs), so that never sits between
 answer's last token and its return, nor delays a job that is waiting.
 
 A job that should stop early (a client gone, Esc in the chat) is told by its owner
-through a flag it reads each round; close() drops the jobs not started.
+through a flag it reads each round; close() drops the jobs not started, then runs its last one.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class EngineThread:
         self._jobs.put((future, work, args))
         return future
 
-    def close(self) -> None:
-        """Drop the jobs not started, let the running one finish, end the thread."""
+    def close(self, last: Callable | None = None) -> None:
+        """Drop the jobs not started, let the running one finish, run last() (closing the
+        engine, say) on the thread, end the thread."""
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -44,6 +45,8 @@ class EngineThread:
                 break
             if job is not None:
                 job[0].cancel()
+        if last is not None:
+            self.submit(last)
         self._jobs.put(None)
         self._thread.join()
 

@@ -9,17 +9,35 @@ copied back in (llama_state_seq_set_data). The states of all models of an engine
 one budget in bytes, the least recently used going first. A recurrent or hybrid model's
 state is reused only where the prompt continues all of it: its running state cannot be
 cut back to a shorter prefix.
+
+A server keeps them on disk between runs (save_to_disk when it stops, load_from_disk when it
+starts), within the same budget: an agent's first request of the day (Claude Code's 20k-token
+system prompt and tools) then costs what its second does. A state is valid only for the model
+file, llama.cpp build and flash-attention setting it came from, so each has a folder of its
+own; every file carries its tokens and the sha256 of its data, and one that does not verify
+is removed.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import json
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from .cache import cache_dir, locked
+from .store import build
 
 DEFAULT_CACHE_RAM_MIB = 1024  # about ten 2,500-token Qwen2.5-1.5B prompts with their draft model's
 # a shorter prefix costs less to evaluate again than to keep and copy back; and more than a
 # decode round ever discards (a 64-token draft), so rounds never save states
 MIN_TOKENS = 128
+MAGIC = b"edgespec prompt state 1\n"
+MAX_HEADER = 64 << 20  # bytes of a file's header (its tokens as JSON)
 
 
 @dataclass
@@ -90,3 +108,106 @@ class PromptCache:
         self.states.append(SavedState(id(model), tokens, data))
         while self.size > self.budget:
             self.states.pop(0)
+
+    # --- on disk, between runs ----------------------------------------------------------
+    def save_to_disk(self, models) -> int:
+        """Write the saved states, each model's live one first among them, to disk (most recent
+        first, within the budget), replacing what the models' folders held. Returns bytes kept."""
+        for model in models:
+            if len(model.tokens) >= MIN_TOKENS:
+                self._save(model)
+        folders = {id(model): state_folder(model) for model in models}
+        kept: dict[Path, set[str]] = {folder: set() for folder in folders.values()}
+        total, stamp = 0, time.time()
+        for rank, state in enumerate(reversed(self.states)):
+            if state.owner not in folders or total + state.size > self.budget:
+                continue
+            folder = folders[state.owner]
+            path = folder / f"{hashlib.sha256(repr(state.tokens).encode()).hexdigest()[:24]}.state"
+            with locked(f"prompts-{folder.name}", None):
+                folder.mkdir(parents=True, exist_ok=True)
+                if not path.exists():  # the same tokens of the same model file: the same state
+                    _write(path, state)
+                os.utime(path, (stamp - rank, stamp - rank))  # newest first when loaded
+            kept[folder].add(path.name)
+            total += state.size
+        for folder, names in kept.items():
+            for old in folder.glob("*.state"):
+                if old.name not in names:
+                    old.unlink(missing_ok=True)
+        return total
+
+    def load_from_disk(self, models) -> int:
+        """Take in the states save_to_disk kept for these models (most recent first, within the
+        budget); a file that does not verify is removed. Returns how many were taken."""
+        files = [(path, model) for model in models for path in state_folder(model).glob("*.state")]
+        files.sort(key=lambda found: _mtime(found[0]), reverse=True)
+        loaded = 0
+        for path, model in files:
+            if self.size + _size(path) > self.budget:
+                continue
+            state = _read(path, model)
+            if state is None:
+                path.unlink(missing_ok=True)
+            elif len(state.tokens) < model.n_ctx:
+                self.states.insert(0, state)  # older than what this run saves
+                loaded += 1
+        return loaded
+
+
+def state_folder(model) -> Path:
+    """Where `model`'s states are kept on disk: one folder per model file (path, size, time),
+    llama.cpp build and flash-attention setting."""
+    st = model.path.stat()
+    identity = f"{build()}|{model.path.resolve()}:{st.st_size}:{st.st_mtime_ns}|fa={int(model.flash_attn)}"
+    return cache_dir() / "prompts" / hashlib.sha256(identity.encode()).hexdigest()[:24]
+
+
+def _write(path: Path, state: SavedState) -> None:
+    """MAGIC, the header's length, the header (tokens, size and sha256 of the data), the data;
+    written whole or not at all."""
+    data = memoryview(state.data)
+    header = json.dumps({"tokens": state.tokens, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + len(header).to_bytes(8, "little") + header.encode())
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _read(path: Path, model) -> SavedState | None:
+    """The state a file holds, or None where it does not verify."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + 8)
+            length = int.from_bytes(head[len(MAGIC) :], "little")
+            if head[: len(MAGIC)] != MAGIC or length > MAX_HEADER:
+                return None
+            header = json.loads(f.read(length))
+            size = header["size"]
+            if size != path.stat().st_size - len(head) - length:  # the data, all of it and no more
+                return None
+            data = (ctypes.c_uint8 * size)()
+            if f.readinto(data) != size:
+                return None
+        tokens = header["tokens"]
+        valid = all(isinstance(t, int) and 0 <= t < model.n_vocab for t in tokens)
+        if not valid or hashlib.sha256(data).hexdigest() != header["sha256"]:
+            return None
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
+        return None
+    return SavedState(id(model), tokens, data)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -1,5 +1,6 @@
 """One request to the engine, from every shell: the command line, the chat app, bench and
-the server (Request.from_openai) build a Request, and Engine.stream takes it.
+the server (Request.from_openai, and the Messages and Responses APIs' translations in
+anthropic_api.py and responses_api.py) build a Request, and Engine.stream takes it.
 
 A Request is checked once, when it is made: a bad setting is one EdgespecError naming
 it (RequestError, with the API field it came from). What needs the model (the chat
@@ -183,11 +184,6 @@ class Request:
         stop = body.get("stop")
         if stop is not None and not isinstance(stop, (str, list)):
             raise RequestError("'stop' must be a string or a list of strings", "stop")
-        sampling = {name: json_field(body, name, (int, float)) for name in ("temperature", "top_p", "min_p")}
-        sampling |= {"top_k": json_field(body, "top_k", (int,)), "seed": json_field(body, "seed", (int,))}
-        gamma = body.get("gamma")
-        if gamma is not None and gamma != AUTO and (isinstance(gamma, bool) or not isinstance(gamma, int)):
-            raise RequestError("'gamma' must be an integer or \"auto\"", "gamma")
         calls = {}
         if body.get("tools"):
             calls = {"tools": body["tools"], "tool_choice": body.get("tool_choice")}
@@ -200,17 +196,32 @@ class Request:
         json_schema, grammar = _constraint(body)
         return cls(
             prompt,
-            _field(lambda: replace(DEFAULT_SAMPLING, **{k: v for k, v in sampling.items() if v is not None})),
+            sampling_of(body),
             max_tokens=json_field(body, "max_completion_tokens", (int,)) or json_field(body, "max_tokens", (int,)),
             stop=stop or (),
             raw=not chat,
-            draft_mode=json_field(body, "draft_mode", (str,)),
-            gamma=gamma,
             prediction=prediction,
             grammar=grammar,
             json_schema=json_schema,
             **calls,
+            **speculation_of(body),
         )
+
+
+def sampling_of(body: dict) -> SamplingParams:
+    """The sampling settings of an API request body (temperature, top_p, and llama-server's
+    top_k, min_p and seed, by the names every API here uses); the defaults for those unset."""
+    sampling = {name: json_field(body, name, (int, float)) for name in ("temperature", "top_p", "min_p")}
+    sampling |= {"top_k": json_field(body, "top_k", (int,)), "seed": json_field(body, "seed", (int,))}
+    return _field(lambda: replace(DEFAULT_SAMPLING, **{k: v for k, v in sampling.items() if v is not None}))
+
+
+def speculation_of(body: dict) -> dict:
+    """edgespec's own fields of an API request body, as Request's keywords: draft_mode and gamma."""
+    gamma = body.get("gamma")
+    if gamma is not None and gamma != AUTO and (isinstance(gamma, bool) or not isinstance(gamma, int)):
+        raise RequestError("'gamma' must be an integer or \"auto\"", "gamma")
+    return {"draft_mode": json_field(body, "draft_mode", (str,)), "gamma": gamma}
 
 
 def _field(check, *args, param: str | None = None):

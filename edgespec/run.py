@@ -98,7 +98,7 @@ class Run:
                     stats.n_tokens, stats.decode_s = stats.n_tokens + 1, perf_counter() - start
                     yield Event(self.text.push(target.piece(token)), token, "draft" if from_draft else "target", stats)
                     if self.text.stopped:
-                        stats.finish_reason = "stop_string"
+                        stats.finish_reason, stats.stop_string = "stop_string", self.text.stopped
                     elif stats.n_tokens == self.request.max_tokens:
                         stats.finish_reason = "length"
                     if stats.finish_reason:

@@ -1,12 +1,15 @@
-"""`edgespec serve`: an OpenAI-compatible HTTP API over one Engine.
+"""`edgespec serve`: OpenAI's chat completions and completions, Anthropic's Messages API
+and OpenAI's Responses API over one Engine.
 
 One worker thread owns the engine and runs requests one at a time, in arrival order
 (llama.cpp contexts are not shared between threads; the KV cache of the prefix that
 consecutive requests share is reused by the engine). The event loop only reads,
-validates and streams. Every answer carries OpenAI's `usage` and a `speculative`
-object with what speculation did.
+validates and streams. Each API is a Dialect (answers.py): a translation of its request
+onto the one Request type, and its shapes for the answer; the engine path behind them is
+the same. Every answer carries its API's usage and a `speculative` object with what
+speculation did.
 
-Bad requests get OpenAI's error JSON and one log line, never a traceback; the server
+Bad requests get the API's error JSON and one log line, never a traceback; the server
 keeps serving after each.
 """
 
@@ -15,84 +18,27 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
-import secrets
 import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from functools import partial
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import tools
-from .engine import Engine, Event
+from . import anthropic_api
+from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, refused
+from .engine import Engine
 from .engine_thread import EngineThread
-from .errors import EdgespecError
-from .request import Request, RequestError, json_field
-from .stats import LOOPING, Stats
+from .errors import EdgespecError, PromptExceedsContext
+from .openai_api import OpenAIChat
+from .request import RequestError
+from .responses_api import Responses
 
 MAX_BODY = 8 << 20  # bytes: a whole source file as a prediction fits many times over
-FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
-
-log = logging.getLogger("edgespec.serve")
-
-
-class ApiError(Exception):
-    """A request the API refuses, in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-        self.type = "invalid_request_error" if status < 500 else "server_error"
-
-    def response(self) -> JSONResponse:
-        error = {"message": str(self), "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": error}, status_code=self.status)
-
-
-# --- requests -----------------------------------------------------------------------
-
-
-@dataclass(eq=False)  # each job is itself (kept in a set)
-class Job:
-    """One generation: its request, how the client wants the answer, and the events the
-    worker sends back to the event loop (Events, then None; or one ApiError)."""
-
-    request: Request
-    stream: bool = False
-    include_usage: bool = False  # stream_options.include_usage
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
-
-    @classmethod
-    def from_openai(cls, body: dict, *, chat: bool, max_tokens: int | None = None) -> Job:
-        """The job of an OpenAI request body, or ApiError(400) naming the first field that is wrong.
-        max_tokens: the cap of an answer the request sets no limit for (None: none)."""
-        try:
-            request = Request.from_openai(body, chat=chat)
-            if request.max_tokens is None and max_tokens is not None:
-                request = replace(request, max_tokens=max_tokens)
-            stream = json_field(body, "stream", (bool,), False)
-            options = body.get("stream_options") or {}
-            if not isinstance(options, dict):
-                raise RequestError("'stream_options' must be an object", "stream_options")
-            include_usage = json_field(options, "include_usage", (bool,), False)
-        except RequestError as e:
-            raise ApiError(400, str(e), e.param) from None
-        return cls(request, stream, include_usage)
-
-    def send(self, item) -> None:
-        """From the worker thread to the request's handler."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:  # the event loop is gone (shutting down)
-            self.cancelled.set()
+KEEPALIVE_S = 15.0  # a stream silent this long gets a keep-alive
 
 
 # --- the worker ---------------------------------------------------------------------
@@ -111,6 +57,8 @@ class Worker:
 
     def _load(self, load: Callable[[], Engine]) -> Engine:
         engine = load()
+        if loaded := engine.load_prompts():
+            log.info("%d prompts of the last run's cache loaded from disk", loaded)
         self.engine = self.thread.engine = engine
         return engine
 
@@ -128,11 +76,12 @@ class Worker:
         finish the thread."""
         for job in list(self._unfinished):
             job.cancelled.set()
-        self.thread.submit(self._close)
-        self.thread.close()
+        self.thread.close(last=self._close)
 
     def _close(self) -> None:
         if self.engine is not None:
+            if kept := self.engine.save_prompts():
+                log.info("prompt cache kept on disk for the next start: %d MiB", kept >> 20)
             self.engine.close()
             self.engine = self.thread.engine = None
 
@@ -149,10 +98,15 @@ class Worker:
 
     def _generate(self, job: Job) -> None:
         try:
-            events = self.engine.stream(job.request)
-        except EdgespecError as e:  # the prompt is too long, a parameter is out of range, ...
+            run = self.engine.start(job.request)
+        except PromptExceedsContext as e:
+            job.send(ContextExceeded(e))
+            return
+        except EdgespecError as e:  # a parameter is out of range, a template fails, ...
             job.send(ApiError(400, str(e)))
             return
+        job.send(run.stats)  # the request is good: its answer may begin before the prefill
+        events = self.engine.events(run)
         try:
             for event in events:
                 job.send(event)
@@ -168,22 +122,7 @@ class Worker:
         job.send(None)
 
 
-# --- responses ------------------------------------------------------------------------
-
-
-def usage(stats: Stats, predicted: bool) -> dict:
-    out = {
-        "prompt_tokens": stats.n_prompt,
-        "completion_tokens": stats.n_tokens,
-        "total_tokens": stats.n_prompt + stats.n_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.n_prompt_cached},
-    }
-    if predicted:
-        out["completion_tokens_details"] = {
-            "accepted_prediction_tokens": stats.accepted_prediction_tokens,
-            "rejected_prediction_tokens": stats.rejected_prediction_tokens,
-        }
-    return out
+# --- the HTTP API -----------------------------------------------------------------------
 
 
 class Api:
@@ -196,11 +135,17 @@ class Api:
         draft_name: str | None,
         api_key: str | None,
         max_tokens: int | None = None,
+        temperature: float | None = None,
     ) -> None:
         """max_tokens: the cap of answers whose requests set no limit (None: until the model stops
-        or the context is full)."""
+        or the context is full). temperature: that of requests that set none (None: llama.cpp's
+        default; Anthropic's SDK, and so Claude Code, sends none)."""
         self.worker, self.model_name, self.draft_name, self.api_key = worker, model_name, draft_name, api_key
-        self.max_tokens = max_tokens
+        self.max_tokens, self.temperature = max_tokens, temperature
+        self.chat = OpenAIChat(model_name, chat=True)
+        self.completion = OpenAIChat(model_name, chat=False)
+        self.messages = anthropic_api.Messages(model_name)
+        self.responses = Responses(model_name)
 
     def app(self) -> Starlette:
         @asynccontextmanager
@@ -208,15 +153,25 @@ class Api:
             yield
             await asyncio.to_thread(self.worker.stop)  # finish the engine's thread, which closes it
 
+        def answer(dialect: Dialect):
+            return partial(self._answer, dialect=dialect)  # starlette sees a partial's coroutine function
+
         routes = [
             Route("/health", self.health),
             Route("/v1/models", self.models),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", answer(self.chat), methods=["POST"]),
+            Route("/v1/completions", answer(self.completion), methods=["POST"]),
+            Route("/v1/messages", answer(self.messages), methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+            Route("/v1/responses", answer(self.responses), methods=["POST"]),
         ]
         app = Starlette(routes=routes, lifespan=lifespan)
-        app.add_middleware(_Guard, api_key=self.api_key)
+        app.add_middleware(_Guard, api_key=self.api_key, dialect_of=self.dialect_of)
         return app
+
+    def dialect_of(self, path: str) -> Dialect:
+        """The API a path belongs to (its refusals come in that API's error JSON)."""
+        return self.messages if path.startswith("/v1/messages") else self.chat
 
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok"})
@@ -229,157 +184,78 @@ class Api:
         model["meta"] = {"n_ctx": target.n_ctx, "n_ctx_train": target.n_ctx_train, "n_vocab": target.n_vocab}
         return JSONResponse({"object": "list", "data": [model]})
 
-    async def chat(self, request: HttpRequest) -> Response:
-        return await self._answer(request, "chat.completion")
-
-    async def completions(self, request: HttpRequest) -> Response:
-        return await self._answer(request, "text_completion")
-
-    async def _answer(self, request: HttpRequest, kind: str) -> Response:
-        watcher = None
+    async def count_tokens(self, request: HttpRequest) -> Response:
+        """Anthropic's count_tokens: the prompt's tokens as the model reads them (rendered on the
+        engine's thread, after what is queued there)."""
         try:
-            job = Job.from_openai(await _json_body(request), chat=kind == "chat.completion", max_tokens=self.max_tokens)
-            self.worker.submit(job)
-            watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-            first = await job.events.get()
-            if first is None:  # the client left while its request waited for its turn
-                log.info("%s %s: the client left before its answer started", request.method, request.url.path)
-                return Response(status_code=499)
-            if isinstance(first, ApiError):
-                raise first
-            reply = _Reply(kind, self.model_name, job)
-            if job.stream:
-                watcher, streaming = None, watcher  # the stream owns it from here
-                return StreamingResponse(reply.chunks(first, streaming), media_type="text/event-stream")
-            return JSONResponse(await reply.whole(first))
+            try:
+                counted = anthropic_api.request_of(await _json_body(request), counting=True)
+            except RequestError as e:
+                raise refused(e) from None
+            count = partial(self.worker.engine.prompt_tokens, counted, fit=False)
+            try:
+                tokens = await asyncio.wrap_future(self.worker.thread.submit(count))
+            except EdgespecError as e:
+                raise ApiError(400, str(e)) from None
+            return JSONResponse({"input_tokens": len(tokens)})
         except ApiError as e:
             log.warning("%s %s: %d %s", request.method, request.url.path, e.status, e)
-            return e.response()
+            return self.messages.error(e)
+
+    async def _answer(self, request: HttpRequest, dialect: Dialect) -> Response:
+        watcher = None
+        try:
+            body = await _json_body(request)
+            if self.temperature is not None and body.get("temperature") is None:  # the same field in every API
+                body["temperature"] = self.temperature
+            job = dialect.job(body).capped(self.max_tokens)
+            self.worker.submit(job)
+            watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+            started = await job.events.get()  # the run's Stats once the request is checked
+            if started is None:  # the client left while its request waited for its turn
+                log.info("%s %s: the client left before its answer started", request.method, request.url.path)
+                return Response(status_code=499)
+            if isinstance(started, ApiError):
+                raise started
+            answer = Answer(job, started)
+            if job.stream:
+                watcher, streaming = None, watcher  # the stream owns it from here
+                return StreamingResponse(_stream(dialect, answer, streaming), media_type="text/event-stream")
+            return JSONResponse(await dialect.whole(answer))
+        except ApiError as e:
+            log.warning("%s %s: %d %s", request.method, request.url.path, e.status, e)
+            return dialect.error(e)
         except Exception as e:  # a bug of ours: one log line and a 500, no traceback to anyone
             log.error("%s %s: internal error %s: %s", request.method, request.url.path, type(e).__name__, e)
-            return ApiError(500, "internal error; see the server log").response()
+            return dialect.error(ApiError(500, "internal error; see the server log"))
         finally:
             if watcher is not None:
                 watcher.cancel()
 
 
-class _Reply:
-    """One answer in OpenAI's shapes: chat.completion(.chunk) or text_completion."""
-
-    def __init__(self, kind: str, model: str, job: Job) -> None:
-        self.kind, self.model, self.job = kind, model, job
-        prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-        self.id, self.created = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
-        self.calls = job.request.call_parser()  # reads tool calls out of the answer, where tools may be called
-
-    def _split(self, text: str, *, last: bool = False) -> tuple[str, list[tools.ToolCall]]:
-        """The answer's new text -> (its text to show, the tool calls it completed)."""
-        if self.calls is None:
-            return text, []
-        shown, calls = self.calls.feed(text)
-        if last:
-            rest, more = self.calls.finish()
-            shown, calls = shown + rest, calls + more
-        return shown, calls
-
-    def _finish_reason(self, stats: Stats) -> str | None:
-        return "tool_calls" if self.calls is not None and self.calls.calls else FINISH_REASONS.get(stats.finish_reason)
-
-    def _envelope(self, object_kind: str, choices: list) -> dict:
-        return {"id": self.id, "object": object_kind, "created": self.created, "model": self.model, "choices": choices}
-
-    def _choice(self, text: str, finish: str | None, *, delta: bool, first: bool = False, calls=()) -> dict:
-        if self.kind == "text_completion":
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        if not delta:
-            message = {"role": "assistant", "content": text or (None if calls else "")}
-            if calls:
-                message["tool_calls"] = [c.as_openai() for c in calls]
-            return {"index": 0, "message": message, "finish_reason": finish}
-        out = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        if calls:  # each call whole, in one delta (clients join the pieces of a call by its index)
-            numbered = [{"index": self.calls.calls.index(c)} | c.as_openai() for c in calls]
-            out["tool_calls"] = numbered
-        return {"index": 0, "delta": out, "finish_reason": finish}
-
-    def _closing(self, stats: Stats) -> dict:
-        return {"usage": usage(stats, self.job.request.prediction is not None), "speculative": stats.as_dict()}
-
-    async def whole(self, first: Event) -> dict:
-        text, event = [first.text], first
-        while (item := await self.job.events.get()) is not None:
-            if isinstance(item, ApiError):
-                raise item
-            text.append(item.text)
-            event = item
-        stats = event.stats
-        _log_answer(stats)
-        shown, calls = self._split("".join(text), last=True)
-        choice = self._choice(shown, self._finish_reason(stats), delta=False, calls=calls)
-        return self._envelope(self.kind, [choice]) | self._closing(stats)
-
-    async def chunks(self, first: Event, watcher: asyncio.Task) -> AsyncIterator[str]:
-        """SSE: text as it comes (what is ready is sent together), then the finish reason,
-        the usage chunk if asked for, and [DONE]."""
-        kind, event, opening = f"{self.kind}.chunk" if self.kind == "chat.completion" else self.kind, first, True
-        try:
-            pending = [first]
-            while True:
-                while not self.job.events.empty():  # the rest of a round came at once: one chunk
-                    pending.append(self.job.events.get_nowait())
-                ended = pending[-1] is None
-                events = [e for e in pending if e is not None]
-                failure = next((e for e in events if isinstance(e, ApiError)), None)
-                if failure is not None:
-                    yield _sse({"error": {"message": str(failure), "type": failure.type, "code": None}})
-                    break
-                if events or ended:
-                    event = events[-1] if events else event
-                    text, calls = self._split("".join(e.text for e in events), last=ended)
-                    if text or calls or opening:
-                        delta = self._choice(text, None, delta=True, first=opening, calls=calls)
-                        yield _sse(self._envelope(kind, [delta]))
-                        opening = False
-                if ended:
-                    stats = event.stats
-                    _log_answer(stats)
-                    finish = self._choice("", self._finish_reason(stats), delta=True)
-                    yield _sse(self._envelope(kind, [finish]))
-                    if self.job.include_usage:
-                        yield _sse(self._envelope(kind, []) | self._closing(stats))
-                    else:
-                        yield _sse(self._envelope(kind, []) | {"speculative": stats.as_dict()})
-                    break
-                pending = [await self.job.events.get()]
-            yield "data: [DONE]\n\n"
-        finally:
-            self.job.cancelled.set()  # a no-op after the end; frees the engine if the client left
-            watcher.cancel()
-
-
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-def _log_answer(stats: Stats) -> None:
-    log.info(
-        "answered: %d+%d tokens (%d cached), %.1f tok/s, %s, finish %s",
-        stats.n_prompt,
-        stats.n_tokens,
-        stats.n_prompt_cached,
-        stats.tokens_per_s,
-        ", ".join(f"{k} {v}" for k, v in sorted(stats.rounds_by_source.items())) or "no rounds",
-        stats.finish_reason,
-    )
-    if stats.finish_reason == "context":
-        log.warning("the context window is full: the answer was cut; start the server with a larger --ctx")
-    if stats.repeated_tokens >= LOOPING:
-        log.warning(
-            "the answer's last %d tokens repeat one %d-token span: the model was looping"
-            " (a request's max_tokens, or serve --max-tokens, ends such answers sooner)",
-            stats.repeated_tokens,
-            stats.repeat_period,
-        )
+async def _stream(dialect: Dialect, answer: Answer, watcher: asyncio.Task) -> AsyncIterator[str]:
+    """The dialect's events, a keep-alive whenever none came for KEEPALIVE_S (an agent's
+    20k-token prompt takes minutes to read on a CPU, and clients give up on a silent stream);
+    a failure on the way as the dialect's error event."""
+    chunks, step = dialect.chunks(answer), None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(chunks))
+            while not (await asyncio.wait({step}, timeout=KEEPALIVE_S))[0]:
+                yield dialect.keepalive()
+            try:
+                chunk = step.result()
+            except StopAsyncIteration:
+                break
+            yield chunk
+    except ApiError as e:
+        log.warning("the answer failed while streaming: %s", e)
+        yield dialect.stream_error(e)
+    finally:
+        if step is not None:
+            step.cancel()
+        answer.job.cancelled.set()  # a no-op after the end; frees the engine if the client left
+        watcher.cancel()
 
 
 async def _json_body(request: HttpRequest) -> dict:
@@ -408,23 +284,25 @@ async def _cancel_on_disconnect(request: HttpRequest, job: Job) -> None:
 
 
 class _Guard:
-    """ASGI middleware: the API key on every endpoint (compared in constant time), and
-    one log line for requests refused here."""
+    """ASGI middleware: the API key on every endpoint (compared in constant time), as a bearer
+    token or Anthropic's x-api-key header, and one log line for requests refused here."""
 
-    def __init__(self, app, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, api_key: str | None, dialect_of: Callable[[str], Dialect]) -> None:
+        self.app, self.api_key, self.dialect_of = app, api_key, dialect_of
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self.api_key is not None:
             headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            expected = f"Bearer {self.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+            bearer = headers.get(b"authorization", b"").removeprefix(b"Bearer ")
+            given = headers.get(b"x-api-key", bearer)
+            if not hmac.compare_digest(given, self.api_key.encode()):
                 log.warning("%s %s: 401 missing or wrong API key", scope["method"], scope["path"])
                 error = ApiError(
-                    401, "missing or wrong API key; send 'Authorization: Bearer KEY'", code="invalid_api_key"
+                    401,
+                    "missing or wrong API key; send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                    code="invalid_api_key",
                 )
-                await error.response()(scope, receive, send)
+                await self.dialect_of(scope["path"]).error(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

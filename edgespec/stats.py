@@ -90,6 +90,7 @@ class Stats:
     verify_s: float = 0.0  # of decode_s: the target's batched forward + accept/resample
     rollback_s: float = 0.0  # of decode_s: cutting a recurrent target's state back (checkpoints, restores)
     finish_reason: str | None = None  # stop | stop_string | length | context
+    stop_string: str | None = None  # the stop string that ended the answer (finish_reason stop_string)
     # what the controller chose: rounds per source ("model", "copy", "prediction", "off"), draft
     # tokens proposed and accepted per source, its α per drafter, its last choice, and the
     # speedup over the target alone that its cost model predicted

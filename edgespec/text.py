@@ -15,17 +15,17 @@ class TextStream:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = [s for s in stop if s]
         self._pending = ""
-        self.stopped = False
+        self.stopped: str | None = None  # the stop string that ended the text
 
     def push(self, piece: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to show.
-        After a stop string appears, `stopped` is set and the stop string and
+        After a stop string appears, `stopped` is set to it and the stop string and
         everything after it are dropped."""
         self._pending += self._decoder.decode(piece)
-        hits = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
+        hits = [(at, s) for s in self._stop if (at := self._pending.find(s)) >= 0]
         if hits:
-            self.stopped = True
-            text, self._pending = self._pending[: min(hits)], ""
+            at, self.stopped = min(hits)
+            text, self._pending = self._pending[:at], ""
             return text
         # hold back the longest tail that could still grow into a stop string
         hold = max((k for s in self._stop for k in range(1, len(s)) if self._pending.endswith(s[:k])), default=0)

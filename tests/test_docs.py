@@ -9,6 +9,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
 import edgespec
 
 README = (Path(__file__).parents[1] / "README.md").read_text()
@@ -50,25 +52,47 @@ def test_package_docstring_example(capsys):
     assert "def " in capsys.readouterr().out
 
 
-def test_readme_openai_client_section(capsys):
-    """The server section's curl and Python examples, against `edgespec serve` on the
-    default pair (on a free port instead of 8080, so the test never collides)."""
+@pytest.fixture(scope="module")
+def default_server():
+    """`edgespec serve` on the default pair, on a free port instead of 8080 (never colliding)."""
     from test_server import Server
 
-    section = README[README.index("## Use it from any OpenAI client") : README.index("## Library")]
+    server = Server("--pair", "qwen-coder")
+    yield server
+    assert server.stop() == 0
+
+
+def test_readme_openai_client_section(capsys, default_server):
+    """The server section's curl and Python examples, against `edgespec serve` on the default pair."""
+    section = README[README.index("## Use it from any OpenAI client") : README.index("## Agents")]
     (shell,) = code_blocks(section, "sh")
     (python,) = code_blocks(section, "python")
-    server = Server("--pair", "qwen-coder")
-    try:
-        curl = shell.split("\n", 1)[1].replace("\\\n", " ").replace("http://127.0.0.1:8080/v1", server.url)
-        done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
-        reply = json.loads(done.stdout)
-        assert reply["choices"][0]["message"]["content"] and "speculative" in reply
-        exec(compile(python.replace("http://127.0.0.1:8080/v1", server.url), "README.md", "exec"), {})
-        out = capsys.readouterr().out
-        assert "surface" in out and "accepted_prediction_tokens" in out and "drafted" in out
-    finally:
-        assert server.stop() == 0
+    url = default_server.url
+    curl = shell.split("\n", 1)[1].replace("\\\n", " ").replace("http://127.0.0.1:8080/v1", url)
+    done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
+    reply = json.loads(done.stdout)
+    assert reply["choices"][0]["message"]["content"] and "speculative" in reply
+    exec(compile(python.replace("http://127.0.0.1:8080/v1", url), "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "surface" in out and "accepted_prediction_tokens" in out and "drafted" in out
+
+
+def test_readme_agents_section(capsys, default_server):
+    """The Anthropic and Responses examples run against the default pair; the claude and codex
+    commands are the ones scripts/agents-bench.sh runs (it needs npm and minutes: not CI)."""
+    section = README[README.index("## Agents") : README.index("## Library")]
+    (shell,) = code_blocks(section, "sh")
+    anthropic_example, responses_example = code_blocks(section, "python")
+    base = default_server.url.removesuffix("/v1")
+    for example in (anthropic_example, responses_example):
+        exec(compile(example.replace("http://127.0.0.1:8080", base), "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert out.startswith("tool_use [ToolUseBlock(") and "get_weather" in out and "cache_read_input_tokens" in out
+    assert "drafted" in out
+    script = (Path(__file__).parents[1] / "scripts" / "agents-bench.sh").read_text()
+    for line in shell.splitlines()[1:]:
+        words = shlex.split(line.replace("8080", "$port"))[:-1]  # all but the task
+        assert all(w in script for w in words if w.startswith("-") or "=" in w or w in ("claude", "codex")), line
 
 
 def test_readme_recurrent_section_command_runs():

@@ -275,8 +275,7 @@ class ChatApp(App):
 
     def on_unmount(self) -> None:
         self._stop.set()
-        self._on_engine_thread(self._close_engine)
-        self._engine_thread.close()  # the engine thread never waits for the screen
+        self._engine_thread.close(last=self._close_engine)  # the engine thread never waits for the screen
 
 
 def run(**options) -> None:

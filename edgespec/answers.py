@@ -1,0 +1,195 @@
+"""What the server's APIs share: a Job (a Request and how its client wants the answer), the
+answer read as Pieces (text and tool calls apart, what is ready taken together), the error a
+request is refused with, and Dialect, the one thing each API (OpenAI's chat completions,
+Anthropic's Messages, OpenAI's Responses) writes: its request translated onto Request, and
+its shapes for answers, streams and errors. The engine path behind them is one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from starlette.responses import JSONResponse
+
+from .errors import PromptExceedsContext
+from .request import Request, RequestError
+from .stats import LOOPING, Stats
+from .tools import ToolCall
+
+log = logging.getLogger("edgespec.serve")
+
+
+class ApiError(Exception):
+    """A request the API refuses: its HTTP status, the field at fault, and a code a client
+    may act on (context_length_exceeded)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class ContextExceeded(ApiError):
+    """The prompt does not fit the server's context (the engine's PromptExceedsContext)."""
+
+    def __init__(self, error: PromptExceedsContext) -> None:
+        super().__init__(400, str(error), code="context_length_exceeded")  # the code clients act on
+        self.size, self.n_ctx = error.size, error.n_ctx
+
+
+@dataclass(eq=False)  # each job is itself (kept in a set)
+class Job:
+    """One generation: its request, how the client wants the answer, and the events the
+    worker sends back to the event loop (Events, then None; or one ApiError)."""
+
+    request: Request
+    stream: bool = False
+    include_usage: bool = False  # OpenAI's stream_options.include_usage
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+
+    def capped(self, max_tokens: int | None) -> Job:
+        """This job with the server's cap on an answer whose request sets no limit."""
+        if self.request.max_tokens is not None or max_tokens is None:
+            return self
+        return replace(self, request=replace(self.request, max_tokens=max_tokens))
+
+    def send(self, item) -> None:
+        """From the worker thread to the request's handler."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutting down)
+            self.cancelled.set()
+
+
+def refused(error: RequestError) -> ApiError:
+    return ApiError(400, str(error), error.param)
+
+
+@dataclass
+class Piece:
+    """What an answer added since the last piece: text to show and the tool calls it completed.
+    stats: the generation's live statistics (final where done)."""
+
+    text: str
+    calls: list[ToolCall]
+    stats: Stats
+    done: bool
+
+
+class Answer:
+    """A job's events as pieces: the events that are ready go together (a round's tokens come
+    at once), tool calls are read apart from the text (the request's call parser). stats: the
+    run's live statistics, from its start (the prompt's length is known before its prefill)."""
+
+    def __init__(self, job: Job, stats: Stats) -> None:
+        self.job, self.stats = job, stats
+        self.parser = job.request.call_parser()
+        self.id, self.created = secrets.token_hex(12), int(time.time())  # each API prefixes the id its way
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls read so far."""
+        return self.parser.calls if self.parser is not None else []
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The pieces until the last (done); an ApiError if generation failed on the way."""
+        pending = [await self.job.events.get()]
+        while True:
+            while not self.job.events.empty():
+                pending.append(self.job.events.get_nowait())
+            done = pending[-1] is None
+            events = [e for e in pending if e is not None]
+            if failure := next((e for e in events if isinstance(e, ApiError)), None):
+                raise failure
+            text, calls = self._split("".join(e.text for e in events), last=done)
+            if done:
+                log_answer(self.stats)
+            yield Piece(text, calls, self.stats, done)
+            if done:
+                return
+            pending = [await self.job.events.get()]
+
+    async def whole(self) -> Piece:
+        """The answer in one piece."""
+        text, calls = [], []
+        async for piece in self.pieces():
+            text.append(piece.text)
+            calls += piece.calls
+        return Piece("".join(text), calls, self.stats, True)
+
+    def _split(self, text: str, *, last: bool) -> tuple[str, list[ToolCall]]:
+        if self.parser is None:
+            return text, []
+        shown, calls = self.parser.feed(text)
+        if last:
+            rest, more = self.parser.finish()
+            shown, calls = shown + rest, calls + more
+        return shown, calls
+
+
+class Dialect:
+    """One HTTP API over the engine: what it reads (job) and how it answers (whole, chunks, error)."""
+
+    def job(self, body: dict) -> Job:
+        """The job of a request body; ApiError naming the first field that is wrong."""
+        raise NotImplementedError
+
+    async def whole(self, answer: Answer) -> dict:
+        """The answer as one JSON body."""
+        raise NotImplementedError
+
+    def chunks(self, answer: Answer) -> AsyncIterator[str]:
+        """The answer as server-sent events."""
+        raise NotImplementedError
+
+    def error(self, error: ApiError) -> JSONResponse:
+        """A refusal in this API's error JSON."""
+        return JSONResponse({"error": _openai_error(error)}, status_code=error.status)
+
+    def stream_error(self, error: ApiError) -> str:
+        """A failure after the stream began, as this API's event."""
+        return sse({"error": _openai_error(error)})
+
+    def keepalive(self) -> str:
+        """What keeps a silent stream open (a comment, which SSE readers skip)."""
+        return ": keep-alive\n\n"
+
+
+def _openai_error(error: ApiError) -> dict:
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    return {"message": str(error), "type": kind, "param": error.param, "code": error.code}
+
+
+def sse(data: dict, event: str | None = None) -> str:
+    """One server-sent event (named, for the APIs whose clients read the name)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def log_answer(stats: Stats) -> None:
+    log.info(
+        "answered: %d+%d tokens (%d cached), %.1f tok/s, %s, finish %s",
+        stats.n_prompt,
+        stats.n_tokens,
+        stats.n_prompt_cached,
+        stats.tokens_per_s,
+        ", ".join(f"{k} {v}" for k, v in sorted(stats.rounds_by_source.items())) or "no rounds",
+        stats.finish_reason,
+    )
+    if stats.finish_reason == "context":
+        log.warning("the context window is full: the answer was cut; start the server with a larger --ctx")
+    if stats.repeated_tokens >= LOOPING:
+        log.warning(
+            "the answer's last %d tokens repeat one %d-token span: the model was looping"
+            " (a request's max_tokens, or serve --max-tokens, ends such answers sooner)",
+            stats.repeated_tokens,
+            stats.repeat_period,
+        )

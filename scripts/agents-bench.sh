@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Real agents on `edgespec serve`: Claude Code (`claude -p`, Anthropic's Messages API) and Codex
+# (`codex exec`, OpenAI's Responses API) each get a one-file task in a scratch folder of their
+# own; reports whether each completed (the client exited 0 and the file was fixed), how long it
+# took, and the server's line for every answer (prompt tokens, cached, tok/s, drafters).
+# Claude Code is offered three tools (a small model picks among 24 poorly) and asks for answers of
+# 1,024 tokens at most (it asks for 32,000, which a small model that loops runs to).
+# Not CI: it installs the clients with npm (into a folder of their own, not the project's
+# dependencies) and takes minutes. Usage: scripts/agents-bench.sh [edgespec serve options...]
+set -uo pipefail
+clients=${EDGESPEC_CLIENTS:-${XDG_CACHE_HOME:-$HOME/.cache}/edgespec/clients}
+port=${EDGESPEC_BENCH_PORT:-8089}
+npm install --prefix "$clients" --no-fund --no-audit --silent @anthropic-ai/claude-code @openai/codex || exit 2
+export PATH="$clients/node_modules/.bin:$PATH"
+
+work=$(mktemp -d)
+edgespec serve --port "$port" --max-tokens 4096 "$@" 2>"$work/serve.log" &
+server=$!
+trap 'kill -INT $server 2>/dev/null; wait $server; echo "what the clients wrote, and the server log: $work"' EXIT
+until grep -q "OpenAI API at" "$work/serve.log"; do
+  kill -0 $server 2>/dev/null || { cat "$work/serve.log"; exit 2; }
+  sleep 1
+done
+echo "machine: $(lscpu | sed -n 's/^Model name: *//p'); $(grep '^edgespec serve:' "$work/serve.log")"
+task="calc.py has a bug: add(a, b) returns a - b. Fix calc.py so that add returns a + b."
+
+# run NAME COMMAND...: the client in its own folder with a buggy calc.py; one line on how it went
+run() {
+  local name=$1 started=$SECONDS status
+  shift
+  mkdir -p "$work/$name"
+  printf 'def add(a, b):\n    return a - b\n' >"$work/$name/calc.py"
+  (cd "$work/$name" && timeout 1800 "$@" -- "$task" </dev/null >"$work/$name.out" 2>&1)
+  status=$?
+  local fixed="calc.py not fixed"
+  grep -q "a + b" "$work/$name/calc.py" && fixed="calc.py fixed"
+  if [ $status -eq 0 ] && [ "$fixed" = "calc.py fixed" ]; then
+    echo "$name: completed in $((SECONDS - started)) s ($fixed)"
+  else
+    echo "$name: did not complete in $((SECONDS - started)) s (exit $status, $fixed); its last words:"
+    tail -5 "$work/$name.out" | sed 's/^/  /'
+  fi
+}
+
+ANTHROPIC_BASE_URL=http://127.0.0.1:$port ANTHROPIC_API_KEY=unused \
+  CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_AUTOUPDATER=1 API_TIMEOUT_MS=1800000 \
+  CLAUDE_CODE_MAX_OUTPUT_TOKENS=1024 \
+  run claude claude -p --tools Read,Edit,Write --allowedTools Read,Edit,Write --permission-mode acceptEdits
+run codex codex exec -m edgespec -c model_provider=edgespec -c model_providers.edgespec.name=edgespec \
+  -c model_providers.edgespec.base_url=http://127.0.0.1:$port/v1 -c model_providers.edgespec.wire_api=responses \
+  --skip-git-repo-check --dangerously-bypass-approvals-and-sandbox
+echo "the server's answers:"
+grep -E "answered|WARNING" "$work/serve.log" | sed 's/^/  /'
