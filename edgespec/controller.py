@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .calibration import CostCurve
+from .calibration import TARGET_SIZES, CostCurve
 from .cost_curve import RollbackCost, expected_tokens
 from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter
 from .grammar import Grammar
@@ -237,15 +237,37 @@ class Controller:
         self.predicted = Prediction()
         self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
 
-    def prefill(self, context: list[int]) -> None:
+    def prefill(self, context: list[int], room: int | None = None) -> None:
+        """Get the drafters ready to draft after `context`. room: the answer's tokens at most; in
+        auto mode, a draft model whose prefill (the tokens its cache lacks) would cost more than it
+        can save over that many tokens is left out of the request: a 20k-token agent prompt is
+        minutes of a CPU's time for a draft model, and a short answer never earns them back."""
+        model = self.drafters.get(Source.MODEL)
+        if self.mode is DraftMode.AUTO and model is not None and room is not None:
+            held = getattr(getattr(model, "model", None), "tokens", [])
+            missing = len(context) - 1 - common_prefix(held, context, len(context) - 1)
+            if missing * self._draft_prefill_cost() > room * self._model_saving(MODEL_GATE_ALPHA):
+                del self.drafters[Source.MODEL]
         for drafter in self.drafters.values():
             drafter.prefill(context)
 
-    def _model_can_pay(self, alpha: float) -> bool:
+    def _draft_prefill_cost(self) -> float:
+        """Seconds the draft model takes to read one prompt token: the target's batched pass,
+        scaled by the two models' single steps (the draft model's curve is measured at 1-2 tokens)."""
+        largest = max(TARGET_SIZES)
+        return self.V(largest) / largest * self.draft_step(1) / self.V(1)
+
+    def _model_saving(self, alpha: float) -> float:
+        """Seconds per answer token the draft model saves at α (0: it never does)."""
+        return max(0.0, self.V(1) - self._model_cost_per_token(alpha))
+
+    def _model_cost_per_token(self, alpha: float) -> float:
+        """Seconds per answer token with the draft model at its best γ at α."""
         gammas = range(1, MAX_MODEL_GAMMA + 1)
-        return any(
-            expected_tokens(alpha, g) / self.model_cost(g, alpha) > (1 + MIN_GAIN) * self.off_rate() for g in gammas
-        )
+        return min(self.model_cost(g, alpha) / expected_tokens(alpha, g) for g in gammas)
+
+    def _model_can_pay(self, alpha: float) -> bool:
+        return self._model_cost_per_token(alpha) * (1 + MIN_GAIN) < self.V(1)
 
     def costs_look_stale(self) -> bool:
         """Whether this request's rounds ran far faster than the cost curves say (STALE_RATIO)."""

@@ -85,7 +85,7 @@ class Run:
         # the target's cache holds everything but the last token, which opens the first verify batch
         stats.n_prompt_cached = target.sync(self.prompt)
         target.eval(self.prompt[stats.n_prompt_cached : -1])
-        self.controller.prefill(self.prompt)
+        self.controller.prefill(self.prompt, room=min(target.n_ctx, self.limit - 1) - len(self.prompt))
         stats.prefill_s = perf_counter() - start
 
         start = perf_counter()

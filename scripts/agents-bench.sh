@@ -24,6 +24,35 @@ done
 echo "machine: $(lscpu | sed -n 's/^Model name: *//p'); $(grep '^edgespec serve:' "$work/serve.log")"
 task="calc.py has a bug: add(a, b) returns a - b. Fix calc.py so that add returns a + b."
 
+# Claude Code's recorded first request (20k tokens of system prompt and tools), then the session's
+# second (one exchange longer, a new billing-header nonce): the time each took, and how much of its
+# prompt came from the cache (after an earlier run, the cache kept on disk serves the first too)
+recordings=${EDGESPEC_RECORDINGS:-$(dirname "$0")/../../shared/clients}
+if [ -f "$recordings/claude-code-messages.json" ]; then
+  python - "$recordings/claude-code-messages.json" "$port" <<'PY'
+import json, sys, time
+
+import httpx
+
+recording, port = json.load(open(sys.argv[1])), sys.argv[2]
+headers = {k: v for k, v in recording["headers"].items() if k.lower() != "content-type"}
+body = recording["body"] | {"max_tokens": 64, "stream": False}
+for turn in ("first", "second"):
+    started = time.time()
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/messages", json=body, headers=headers, timeout=3600).json()
+    if "usage" not in reply:
+        print(f"recorded Claude Code request, {turn}: refused: {reply}")
+        break
+    cached, new = reply["usage"]["cache_read_input_tokens"], reply["usage"]["input_tokens"]
+    print(f"recorded Claude Code request, {turn}: {time.time() - started:.1f} s, {cached + new} prompt tokens,"
+          f" {cached} from the cache, stop {reply['stop_reason']}")
+    billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197; cch=00001;"}
+    answer = reply["content"] or [{"type": "text", "text": "Done."}]
+    turns = [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now list the files here."}]
+    body = body | {"system": [billing, *body["system"][1:]], "messages": [*body["messages"], *turns]}
+PY
+fi
+
 # run NAME COMMAND...: the client in its own folder with a buggy calc.py; one line on how it went
 run() {
   local name=$1 started=$SECONDS status

@@ -322,6 +322,25 @@ def test_auto_leaves_out_a_draft_model_that_cannot_pay_and_does_not_prefill_it()
     assert "model" in Controller("auto", None, GPU, DRAFT, model, CopyDrafter()).drafters
 
 
+def test_auto_leaves_out_a_draft_model_whose_prefill_a_short_answer_cannot_repay():
+    """On a GPU-like curve the draft model pays per round, but reading a 20k-token prompt it does
+    not hold (an agent's) costs more than it saves over a 64-token answer: not prefilled, not run.
+    Over an answer that may run to 20k tokens it pays: prefilled."""
+
+    class Counting(StubModelDrafter):
+        prefilled = 0
+
+        def prefill(self, context):
+            self.prefilled += 1
+
+    prompt = list(range(20_000))
+    for room, kept in ((64, False), (20_000, True)):
+        model = Counting()
+        controller = Controller("auto", None, GPU, DRAFT, model, CopyDrafter())
+        controller.prefill(prompt, room=room)
+        assert ("model" in controller.drafters) == kept and model.prefilled == int(kept)
+
+
 def test_rounds_slower_than_planned_lose_their_place():
     """The curve says the model pays (GPU), but its rounds really take three times as long:
     within a few rounds the controller plans no draft."""
