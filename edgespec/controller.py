@@ -253,7 +253,10 @@ class Controller:
 
     def _draft_prefill_cost(self) -> float:
         """Seconds the draft model takes to read one prompt token: the target's batched pass,
-        scaled by the two models' single steps (the draft model's curve is measured at 1-2 tokens)."""
+        scaled by the two models' single steps (the draft model's curve is measured at 1-2 tokens);
+        0 for a drafter of unknown cost (as in model_cost)."""
+        if self.draft_step is None:
+            return 0.0
         largest = max(TARGET_SIZES)
         return self.V(largest) / largest * self.draft_step(1) / self.V(1)
 
