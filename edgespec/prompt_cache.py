@@ -85,8 +85,9 @@ class PromptCache:
         if len(model.tokens) - kept >= MIN_TOKENS:
             self._save(model)
         if reuse >= kept + MIN_TOKENS and model.restore_state(best.tokens, best.data):
-            self.states.remove(best)
-            self.states.append(best)  # now the most recently used
+            # now the most recently used; saving the live state may have pushed it out of the budget
+            self.states = [s for s in self.states if s is not best] + [best]
+            self._fit()
             return reuse
         return kept
 
@@ -106,6 +107,10 @@ class PromptCache:
         # a state whose tokens the new one continues is superseded by it
         self.states = [s for s in self.states if not (s.owner == id(model) and tokens[: len(s.tokens)] == s.tokens)]
         self.states.append(SavedState(id(model), tokens, data))
+        self._fit()
+
+    def _fit(self) -> None:
+        """The least recently used states out, until the rest fit the budget."""
         while self.size > self.budget:
             self.states.pop(0)
 

@@ -234,3 +234,29 @@ def test_importing_stats_and_requests_checks_does_not_start_llama_cpp():
     assert out.strip() == "False"
     shipped = Path(edgespec.__file__).parent
     assert not [p.name for p in shipped.glob("*.py") if "unittest" in p.read_text()]
+
+
+def test_a_saved_state_pushed_out_while_the_live_one_is_kept_still_comes_back():
+    """The budget holds one state: keeping the live prompt (another conversation's) pushes out the
+    saved state the new prompt continues; that state is still brought back, and the budget holds."""
+    from edgespec.prompt_cache import MIN_TOKENS, PromptCache, SavedState
+
+    class Stand:  # a model whose state costs a byte a token
+        recurrent = False
+
+        def __init__(self, tokens):
+            self.tokens = list(tokens)
+
+        def save_state(self):
+            return bytearray(len(self.tokens))
+
+        def restore_state(self, tokens, data):
+            self.tokens = list(tokens)
+            return True
+
+    saved = list(range(1000, 1000 + 2 * MIN_TOKENS))
+    model = Stand(range(2 * MIN_TOKENS))  # the live cache: another conversation
+    cache = PromptCache(budget_bytes=3 * MIN_TOKENS)
+    cache.states.append(SavedState(id(model), saved, bytearray(len(saved))))
+    assert cache.swap(model, saved + [7, 8], kept=0) == len(saved) and model.tokens == saved
+    assert [s.tokens for s in cache.states] == [saved] and cache.size <= cache.budget
