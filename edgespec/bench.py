@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from time import perf_counter
 
@@ -103,31 +104,10 @@ def run_bench(
     for prompt in [p for p in load_prompts() if not prompts or p["name"] in prompts]:
         schema = prompt.get("json_schema")
         class_modes = modes + [UNCONSTRAINED] if schema else modes
-        runs: dict[str, list] = {m: [] for m in class_modes}
-        for r in range(repeats):
-            for mode in class_modes if r % 2 == 0 else class_modes[::-1]:  # alternate the order between repeats
-                engine.forget()  # every run evaluates its prompt afresh: prefill is timed too
-                request = Request(
-                    prompt["text"],
-                    GREEDY,
-                    max_tokens=max_tokens,
-                    raw=raw,
-                    draft_mode=mode if mode in MODES else DraftMode.OFF,  # (llama: only its prompt is used)
-                    gamma=fixed_gamma if mode is DraftMode.MODEL else AUTO,
-                    prediction=prompt.get("prediction"),
-                    json_schema=schema if mode != UNCONSTRAINED else None,
-                )
-                if mode == "llama":
-                    runs[mode].append(llama.run(engine.prompt_tokens(request), max_tokens))
-                    continue
-                stats = engine.generate(request).stats
-                engine.upkeep()  # between runs, as an idle engine would: not inside the next one's timing
-                runs[mode].append(stats)
-                log(
-                    f"  {prompt['name']:<10} {mode:<6} run {r + 1}: {stats.n_tokens} tokens, "
-                    f"{stats.tokens_per_s:6.2f} tok/s"
-                )
-        rows.append(_rows(prompt["name"], runs) | {"ceiling": _ceiling(verify_curve)})
+
+        request_of = partial(_request, prompt=prompt, raw=raw, max_tokens=max_tokens, gamma=fixed_gamma)
+        runs = run_modes(engine, class_modes, request_of, repeats, prompt["name"], log, llama)
+        rows.append(mode_rows(prompt["name"], runs) | {"ceiling": _ceiling(verify_curve)})
         if DraftMode.AUTO in runs:
             rows[-1] |= _against_best_fixed(rows[-1]["modes"])
     return {
@@ -146,6 +126,48 @@ def run_bench(
         "rollback": _rollback(engine, verify_curve),
         "prompts": rows,
     }
+
+
+def _request(mode: str, *, prompt: dict, raw: bool, max_tokens: int, gamma: int) -> Request:
+    """A prompt class's greedy request in `mode` (the model mode with a fixed γ; a class with a
+    schema under it, except for the target alone without it)."""
+    schema = prompt.get("json_schema")
+    return Request(
+        prompt["text"],
+        GREEDY,
+        max_tokens=max_tokens,
+        raw=raw,
+        draft_mode=mode if mode in MODES else DraftMode.OFF,  # (llama: only its prompt is used)
+        gamma=gamma if mode is DraftMode.MODEL else AUTO,
+        prediction=prompt.get("prediction"),
+        json_schema=schema if mode != UNCONSTRAINED else None,
+    )
+
+
+def run_modes(
+    engine: Engine,
+    modes: Sequence[str],
+    request_of: Callable[[str], Request],
+    repeats: int,
+    name: str,
+    log: Callable[[str], None],
+    llama: _LlamaBaseline | None = None,
+) -> dict[str, list]:
+    """Each mode's runs of its request (request_of(mode)), alternating the order of the modes
+    between repeats; every run evaluates its prompt afresh, so prefill is timed too."""
+    runs: dict[str, list] = {m: [] for m in modes}
+    for r in range(repeats):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            engine.forget()
+            request = request_of(mode)
+            if mode == "llama":
+                runs[mode].append(llama.run(engine.prompt_tokens(request), request.max_tokens))
+                continue
+            stats = engine.generate(request).stats
+            engine.upkeep()  # between runs, as an idle engine would: not inside the next one's timing
+            runs[mode].append(stats)
+            log(f"  {name:<10} {mode:<6} run {r + 1}: {stats.n_tokens} tokens, {stats.tokens_per_s:6.2f} tok/s")
+    return runs
 
 
 def _rollback(engine: Engine, unit: calibration.CostCurve) -> dict:
@@ -173,7 +195,7 @@ def _against_best_fixed(modes: dict) -> dict:
     return {"best_fixed": best, "auto_vs_best_fixed": modes["auto"]["speedup"] / fixed[best]}
 
 
-def _rows(name: str, runs: dict) -> dict:
+def mode_rows(name: str, runs: dict) -> dict:
     """Per mode: tokens/s over all repeats, the median over repeats of its ratio to off
     in the same repeat, prefill tokens/s, and what speculation did."""
 
@@ -278,7 +300,8 @@ def print_report(report: dict) -> None:
             if "acceptance_rate" in m:
                 line += (
                     f"{m['acceptance_rate']:>7.2f}{m['tokens_per_round']:>10.2f}{m['mean_gamma']:>8.1f}"
-                    f"{m['expected_tokens_per_round']:>7.2f}  {m['rounds_by_source']}"
+                    f"{m['expected_tokens_per_round']:>7.2f}  "
+                    + ", ".join(f"{source} {n}" for source, n in m["rounds_by_source"].items())
                 )
                 by_source = ", ".join(f"{k} {v:.0f}" for k, v in m["tokens_by_source"].items())
                 line += f"; tokens/answer: {by_source}"

@@ -40,7 +40,7 @@ from .stats import RoundTiming
 
 MODEL_PRIOR_ALPHA = 0.7
 GRAMMAR_PRIOR_ALPHA = 0.9  # forced text is certain; only the target's split of it into tokens may differ
-MODEL_GATE_ALPHA = 0.9  # auto mode runs the draft model only where it would pay at this α (a good pair's on code)
+MODEL_GATE_ALPHA = 0.95  # auto mode runs the draft model only where it would pay at this α (a good pair's on code)
 # A draft must promise this much more than none: a plan that wins by less wins on the error of
 # its α estimate (measured, Qwen pair on chat and code writing: copies planned at 1.00-1.06x
 # of no draft accepted 0.47 of their tokens, not the 0.7-0.85 estimated, and cost 2-5%)
@@ -277,8 +277,10 @@ class Controller:
         seen = self.live.get(ALL)
         return seen is not None and seen.rounds >= STALE_ROUNDS and seen.ratio < STALE_RATIO
 
-    def off_rate(self) -> float:
-        return 1.0 / self.V(1)
+    def plain_step(self) -> float:
+        """Seconds a round without a draft takes now: the calibrated step, as this request's
+        rounds have really been running against their plan (LiveCost)."""
+        return self.cost(Source.OFF, 0)
 
     def model_cost(self, gamma: int, alpha: float) -> float:
         step = self.draft_step(1) if self.draft_step else 0.0
@@ -368,7 +370,7 @@ class Controller:
         fixed = self.gamma
         candidates = []
         if self.adaptive:
-            off_rate = 1.0 / self.cost(Source.OFF, 0)
+            off_rate = 1.0 / self.plain_step()
             candidates.append(Plan((1 + MIN_GAIN) * off_rate, Source.OFF, 0, expected_rate=off_rate))
         confident_copy = False
         if copy := self.drafters.get(Source.COPY):

@@ -71,7 +71,7 @@ class Run:
             rollback=target.rollback.value,
         )
         if controller.V is not None:
-            self.stats.baseline_tokens_per_s = controller.off_rate()
+            self.stats.baseline_tokens_per_s = 1.0 / controller.plain_step()
             if (rollback := controller.verify_rollback) is not None:
                 self.stats.checkpoint_steps = rollback.checkpoint_s / controller.V(1)
                 self.stats.restore_steps = rollback.restore_s / controller.V(1)
@@ -146,8 +146,16 @@ class Run:
             seq += draft.tokens[:n] + [next_token]
             timing = RoundTiming(draft=t1 - t0, verify=t2 - t_pass, rollback=(t_pass - t1) + (perf_counter() - t2))
             controller.observe(plan, draft, n, timing, seq)
+            plain_step = controller.plain_step() if controller.V is not None else 0.0
             self.stats.record_round(
-                draft.source, len(draft.tokens), n, timing, controller.alphas(), controller.predicted.speedup
+                draft.source,
+                len(draft.tokens),
+                n,
+                timing,
+                perf_counter() - t0,
+                controller.alphas(),
+                controller.predicted.speedup,
+                plain_step,
             )
             yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]
 

@@ -37,9 +37,11 @@ SUMMED = (
     "draft_s",
     "verify_s",
     "rollback_s",
+    "rounds_s",
+    "plain_s",
 )
 # what combine() takes from the first generation: the machine's settings, not counts
-SETTINGS = ("flash_attn", "repack", "baseline_tokens_per_s", "rollback", "checkpoint_steps", "restore_steps")
+SETTINGS = ("flash_attn", "repack", "rollback", "checkpoint_steps", "restore_steps")
 SUMMED_BY_SOURCE = ("rounds_by_source", "drafted_by_source", "accepted_by_source")
 LOOPING = 64  # an answer ending in this many repeated tokens is worth saying so
 MAX_PERIOD = 256  # the longest repeated span looked for
@@ -89,6 +91,8 @@ class Stats:
     draft_s: float = 0.0  # of decode_s: making drafts
     verify_s: float = 0.0  # of decode_s: the target's batched forward + accept/resample
     rollback_s: float = 0.0  # of decode_s: cutting a recurrent target's state back (checkpoints, restores)
+    rounds_s: float = 0.0  # the rounds' whole time, planning and learning included (not the caller's between them)
+    plain_s: float = 0.0  # of rounds_s: the rounds that drafted nothing, each a plain step of the target
     finish_reason: str | None = None  # stop | stop_string | length | context
     stop_string: str | None = None  # the stop string that ended the answer (finish_reason stop_string)
     # what the controller chose: rounds per source ("model", "copy", "prediction", "off"), draft
@@ -101,7 +105,9 @@ class Stats:
     last_source: str = Source.OFF
     last_gamma: int = 0
     predicted_speedup: float = 1.0
-    baseline_tokens_per_s: float = 0.0  # 1 / V(1) from calibration (0 if not calibrated)
+    # the target alone's rate now, what measured_speedup is against: without plain rounds in this
+    # generation, the calibrated step as this generation's rounds ran against their plan (0: no calibration)
+    baseline_tokens_per_s: float = 0.0
     flash_attn: bool = False  # whether the target runs with flash attention
     repack: bool = True  # whether the target's weights are repacked for llama.cpp's extra CPU kernels (kernels.py)
     # how the target's cache is cut back after a rejection (model.Rollback: truncate, snapshots,
@@ -150,8 +156,13 @@ class Stats:
 
     @property
     def measured_speedup(self) -> float:
-        """tokens/s against the calibrated target-alone rate (0 if not calibrated)."""
-        return self.tokens_per_s / self.baseline_tokens_per_s if self.baseline_tokens_per_s else 0.0
+        """The rounds' tokens per second against the target alone's now (0 if not calibrated): its
+        plain steps in this generation when there are any (all plain: 1.00), else baseline_tokens_per_s."""
+        plain = self.rounds_by_source.get(Source.OFF, 0)
+        baseline = plain / self.plain_s if plain and self.plain_s > 0 else self.baseline_tokens_per_s
+        if not baseline or self.rounds_s <= 0:
+            return 0.0
+        return (self.accepted + self.rounds) / self.rounds_s / baseline
 
     @property
     def other_s(self) -> float:
@@ -173,12 +184,20 @@ class Stats:
         drafted: int,
         accepted: int,
         timing: RoundTiming,
+        seconds: float,
         alpha_by_source: dict[str, float],
         predicted_speedup: float,
+        plain_step_s: float,
     ) -> None:
         """One round of draft -> verify: what it drafted (from `source`) and kept, its
-        times, and the controller's view after it."""
+        times (`seconds`: all of it), and the controller's view after it (plain_step_s: what
+        it expects a round without a draft to take now; 0 without a cost model)."""
+        source = str(source)  # (a Source: its plain name, as JSON and the shells show it)
         self.rounds += 1
+        self.rounds_s += seconds
+        if source == Source.OFF:
+            self.plain_s += seconds
+        self.baseline_tokens_per_s = 1.0 / plain_step_s if plain_step_s > 0 else 0.0
         self.drafted += drafted
         self.accepted += accepted
         self.draft_s += timing.draft

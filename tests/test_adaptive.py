@@ -459,3 +459,33 @@ def test_rechecks_wait_for_the_engine_to_be_idle(tmp_path, monkeypatch, smollm2)
         time.sleep(0.01)
     thread.close()
     assert generation.finish_reason and due is Recheck.DUE and rechecked and rechecked[0] >= finished_at
+
+
+# --- issue 25: the speedup against the target alone now --------------------------------
+
+
+def test_a_generation_of_plain_steps_shows_a_speedup_of_one_whatever_the_curve_says(tmp_path, monkeypatch, smollm2):
+    """A curve timed on a machine twice as busy as now, on which no draft can pay (a pass costs
+    its tokens one at a time, and more): every round is a plain step, and the speedup is 1.00x,
+    not the machine's drift against the curve (the chat app showed 1.91x)."""
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    quiet = calibration.measure(smollm2, calibration.TARGET_SIZES)
+    busy = {k: 2 * quiet(1) * k * cost_curve.BATCH_SLACK for k in calibration.TARGET_SIZES}
+    calibration.save(smollm2, calibration.TARGET_SIZES, CostCurve(busy))
+    with Engine(smollm2, None, owned=[]) as engine:
+        stats = engine.generate("Count from one to twenty, then again.", temperature=0, max_tokens=48).stats
+    assert stats.rounds_by_source == {"off": stats.rounds} and stats.rounds >= 40
+    assert stats.measured_speedup == pytest.approx(1.0)
+    assert "measured 1.00x" in stats.summary()
+
+
+def test_without_plain_rounds_the_speedup_is_against_the_step_as_the_rounds_ran():
+    """Rounds that all drafted: their tokens per second against the step the controller
+    expects now (baseline_tokens_per_s), not the calibration's."""
+    from edgespec import Stats
+
+    stats = Stats(mode="speculative", gamma="auto")
+    for _ in range(4):
+        stats.record_round("copy", 3, 3, RoundTiming(0.0, 0.2), 0.25, {}, 2.0, plain_step_s=0.1)
+    assert stats.baseline_tokens_per_s == pytest.approx(10.0)
+    assert stats.measured_speedup == pytest.approx(16 / 1.0 / 10.0)  # 4 tokens a round, 0.25 s a round
