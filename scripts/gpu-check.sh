@@ -9,7 +9,8 @@
 #
 # --cpu: build (or run) without CUDA, models on the CPU; --no-build: use the llama-cpp-python
 # already installed (CI); --small: small models instead of the real shapes; --tokenizer: the
-# GGUF whose tokenizer the models get (default: the carried Qwen one).
+# GGUF whose tokenizer the models get (default: the carried Qwen one). PYTHON: the interpreter
+# (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check-out}
@@ -33,7 +34,13 @@ done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 started=$(date +%s)
-python=python3
+python=${PYTHON:-python3}
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a failed build does not leave the models' writer running
+tokenizer=$TOKENIZER
+if [ "${TOKENIZER%.gz}" != "$TOKENIZER" ]; then
+  tokenizer="$OUT/$(basename "${TOKENIZER%.gz}")"
+  gunzip -c "$TOKENIZER" >"$tokenizer"
+fi
 
 if [ "$BUILD" = 1 ]; then
   [ -f gpu-carry/llama-cpp-python.tar.gz ] || { echo "gpu-check: no gpu-carry/; run scripts/gpu-pack.sh first and carry gpu-carry" >&2; exit 2; }
@@ -43,6 +50,9 @@ if [ "$BUILD" = 1 ]; then
   $python -m venv --system-site-packages "$venv"
   python="$venv/bin/python"
   $python -m pip install --quiet --no-index --find-links gpu-carry/wheels gguf diskcache typing-extensions
+  # the models are written (numpy, gguf) while llama.cpp builds
+  $python scripts/gpu_models.py write --out "$OUT/models" --tokenizer "$tokenizer" "${SMALL[@]}" &
+  writing=$!
   src=$(mktemp -d)
   tar xzf gpu-carry/llama-cpp-python.tar.gz -C "$src"
   flags="-DLLAVA_BUILD=OFF"
@@ -52,17 +62,15 @@ if [ "$BUILD" = 1 ]; then
   CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     $python -m pip install --no-index --no-build-isolation --no-deps -v "$src"/llama_cpp_python-* >"$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log" >&2; echo "gpu-check: the build failed; the log is $OUT/build.log" >&2; exit 1; }
-  echo "gpu-check: built in $(($(date +%s) - build_start)) s" >&2
   echo "$(($(date +%s) - build_start))" >"$OUT/build_s"
+  echo "gpu-check: built in $(cat "$OUT/build_s") s" >&2
   rm -rf "$src"
+  wait "$writing"
+else
+  $python scripts/gpu_models.py write --out "$OUT/models" --tokenizer "$tokenizer" "${SMALL[@]}"
 fi
 
-tokenizer=$TOKENIZER
-if [ "${TOKENIZER%.gz}" != "$TOKENIZER" ]; then
-  tokenizer="$OUT/$(basename "${TOKENIZER%.gz}")"
-  gunzip -c "$TOKENIZER" >"$tokenizer"
-fi
 layers=99
 [ "$CPU" = 1 ] && layers=0
-PYTHONPATH=$PWD $python scripts/gpu_check.py run --out "$OUT" --tokenizer "$tokenizer" --gpu-layers "$layers" "${SMALL[@]}"
+PYTHONPATH=$PWD:$PWD/scripts $python scripts/gpu_check.py --out "$OUT" --models "$OUT/models" --gpu-layers "$layers"
 echo "gpu-check: done in $(($(date +%s) - started)) s; report in $OUT/report.md" >&2

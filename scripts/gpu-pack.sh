@@ -34,7 +34,7 @@ tar czf "$CARRY/llama-cpp-python.tar.gz" -C "$work" "llama_cpp_python-$VERSION"
 pip download --quiet --no-deps gguf diskcache typing-extensions -d "$CARRY/wheels"
 
 qwen=$(python -c 'from edgespec.loader import resolve_model; print(resolve_model("qwen2.5-coder-1.5b"))')
-python scripts/gpu_check.py tokenizer "$qwen" "$CARRY/qwen-tokenizer.gguf"
+python scripts/gpu_models.py tokenizer "$qwen" "$CARRY/qwen-tokenizer.gguf"
 gzip -9 "$CARRY/qwen-tokenizer.gguf"
 
 tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1)

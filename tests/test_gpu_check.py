@@ -23,7 +23,7 @@ def test_the_gpu_check_runs_on_a_cpu_and_reports_every_figure(tmp_path, smollm2_
         capture_output=True,
         text=True,
         timeout=900,
-        env=os.environ | {"EDGESPEC_HOME": str(tmp_path / "home")},
+        env=os.environ | {"EDGESPEC_HOME": str(tmp_path / "home"), "PYTHON": sys.executable},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -36,9 +36,10 @@ def test_the_gpu_check_runs_on_a_cpu_and_reports_every_figure(tmp_path, smollm2_
     assert {"model", "copy", "hybrid", "auto", "copy+prediction"} <= modes
     assert all(row["equal"] for row in equality), [row for row in equality if not row["equal"]]
     shares = {(row["sampling"], row["mode"]): row for row in report["python_share"]}
-    assert set(shares) == {(s, m) for s in ("greedy", "sampled") for m in ("off", "model", "auto")}
+    assert set(shares) == {(s, m) for s in ("greedy", "sampled") for m in ("off γ=auto", "auto γ=auto", "model γ=4")}
     for row in shares.values():
         assert row["rounds"] > 0 and 0 <= row["python_share"] < 1 and row["target_passes_ms"] > 0
+    assert shares["greedy", "model γ=4"]["draft_passes_ms"] > 0 and shares["greedy", "model γ=4"]["rounds"] < 40
     cases = {row["prompt"]: row["modes"] for row in report["known_alpha"]}
     assert cases["prediction = greedy answer (alpha 1)"]["copy"]["acceptance_rate"] > 0.95
     assert cases["draft model = target (alpha 1)"]["model"]["acceptance_rate"] > 0.95
