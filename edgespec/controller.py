@@ -220,9 +220,11 @@ class Controller:
         forced: GrammarDrafter | None = None,
         verify_rollback: RollbackCost | None = None,
         draft_rollback: RollbackCost | None = None,
+        seed: int = 0,
     ) -> None:
         """copy: this request's copy drafter; verify_rollback, draft_rollback: what cutting back
-        the target's and the draft model's recurrent states costs (None: attention alone, a cut is free)."""
+        the target's and the draft model's recurrent states costs (None: attention alone, a cut is free);
+        seed: of the Thompson draws (fixed, so that runs repeat exactly)."""
         self.mode, self.gamma = check_mode(mode, has_model=model is not None), gamma
         self.adaptive = self.mode is DraftMode.AUTO or gamma is None
         self.V, self.draft_step = verify_cost, draft_step_cost
@@ -235,7 +237,7 @@ class Controller:
         self.acceptance: dict[AcceptanceKey, Acceptance] = {}
         self.live: dict[Source | str, LiveCost] = {}  # per kind of round (Plan.source) and ALL
         self.predicted = Prediction()
-        self._rng = np.random.default_rng(0)  # Thompson draws; seeded so runs repeat exactly
+        self._rng = np.random.default_rng(seed)  # the Thompson draws
 
     def prefill(self, context: list[int], room: int | None = None) -> None:
         """Get the drafters ready to draft after `context`. room: the answer's tokens at most; in

@@ -265,55 +265,61 @@ def _costs(report: dict) -> list[str]:
     ]
 
 
-def _equality(report: dict) -> list[str]:
-    lines = [
-        "## Greedy equality with the target alone",
-        "| engine | prompt | mode | tokens | equal | first difference | acceptance |",
-        "|---|---|---|---|---|---|---|",
+def _table(title: str, columns: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table under a heading."""
+    return [
+        f"## {title}",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(map(str, row)) + " |" for row in rows),
     ]
-    for r in report["greedy_equality"]:
-        lines.append(
-            f"| {r['engine']} | {r['prompt']} | {r['mode']} | {r['tokens']} | {r['equal']} |"
-            f" {r['first_difference']} | {r['acceptance_rate']} |"
-        )
-    return lines
+
+
+def _equality(report: dict) -> list[str]:
+    keys = ("engine", "prompt", "mode", "tokens", "equal", "first_difference", "acceptance_rate")
+    rows = [[r[key] for key in keys] for r in report["greedy_equality"]]
+    columns = ["engine", "prompt", "mode", "tokens", "equal", "first difference", "acceptance"]
+    return _table("Greedy equality with the target alone", columns, rows)
 
 
 def _python_share(report: dict) -> list[str]:
-    lines = [
-        "## A round's time (per round)",
-        "| sampling | mode | tok/s | round ms | target ms | draft ms | Python ms | Python share | Python in steps"
-        " | sampling ms | planning+drafting ms | rest ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["python_share"]:
-        lines.append(
-            f"| {r['sampling']} | {r['mode']} | {r['tokens_per_s']} | {r['round_ms']} | {r['target_passes_ms']} |"
-            f" {r['draft_passes_ms']} | {r['python_ms']} | {r['python_share']:.0%} | {r['python_in_target_steps']}"
-            f" | {r['of_which_sampling_ms']} | {r['of_which_planning_and_drafting_ms']} | {r['of_which_rest_ms']} |"
-        )
+    columns = {
+        "sampling": "sampling",
+        "mode": "mode",
+        "tokens_per_s": "tok/s",
+        "round_ms": "round ms",
+        "target_passes_ms": "target ms",
+        "draft_passes_ms": "draft ms",
+        "python_ms": "Python ms",
+        "python_share": "Python share",
+        "python_in_target_steps": "Python in steps",
+        "of_which_sampling_ms": "sampling ms",
+        "of_which_planning_and_drafting_ms": "planning+drafting ms",
+        "of_which_rest_ms": "rest ms",
+    }
+    rows = [[f"{r[key]:.0%}" if key == "python_share" else r[key] for key in columns] for r in report["python_share"]]
+    lines = _table("A round's time (per round)", list(columns.values()), rows)
     if report["python_is_large"]:
         lines += ["", f"**Python work is a large share of a round**: {report['python_is_large']}"]
     return lines
 
 
 def _known_alpha(report: dict) -> list[str]:
-    lines = [
-        "## Known acceptance (speed against the target alone, same process, median of repeats)",
-        "| case | mode | tok/s | vs off | acceptance | tokens/round | mean γ | rounds |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in report["known_alpha"]:
-        for mode, r in row["modes"].items():
-            speculation = "| | |"
+    rows = []
+    for case in report["known_alpha"]:
+        for mode, r in case["modes"].items():
+            speculation = ["", "", "", ""]
             if "acceptance_rate" in r:
-                speculation = f"{r['acceptance_rate']:.2f} | {r['tokens_per_round']:.2f} | {r['mean_gamma']:.1f}"
-                speculation += f" | {r['rounds_by_source']}"
-            lines.append(
-                f"| {row['prompt']} | {mode} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {speculation} |"
-            )
-        lines.append(f"| {row['prompt']} | ceiling | | {row['ceiling']['speedup']:.2f}x | | | | |")
-    return lines
+                speculation = [
+                    f"{r['acceptance_rate']:.2f}",
+                    f"{r['tokens_per_round']:.2f}",
+                    f"{r['mean_gamma']:.1f}",
+                    r["rounds_by_source"],
+                ]
+            rows.append([case["prompt"], mode, f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", *speculation])
+        rows.append([case["prompt"], "ceiling", "", f"{case['ceiling']['speedup']:.2f}x", "", "", "", ""])
+    columns = ["case", "mode", "tok/s", "vs off", "acceptance", "tokens/round", "mean γ", "rounds"]
+    return _table("Known acceptance (speed against the target alone, same process, median of repeats)", columns, rows)
 
 
 SECTIONS = {"costs": _costs, "greedy_equality": _equality, "python_share": _python_share, "known_alpha": _known_alpha}

@@ -142,8 +142,8 @@ def replay(
     round takes exactly what the curves say."""
     draft_curve = CostCurve({1: draft_step, 2: 2 * draft_step})
     copy = CopyDrafter(vocab=vocab, prediction=recorded.prediction)
-    controller = Controller(mode, gamma, CostCurve(dict(verify)), draft_curve, RecordedDraftModel(recorded), copy)
-    controller._rng = np.random.default_rng(seed)  # its Thompson draws
+    drafter = RecordedDraftModel(recorded)
+    controller = Controller(mode, gamma, CostCurve(dict(verify)), draft_curve, drafter, copy, seed=seed)
     answer, seq = recorded.answer, list(recorded.prompt)
     controller.prefill(seq, room=MAX_TOKENS)
     steps, by_source = 0.0, {}
