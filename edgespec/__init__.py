@@ -20,6 +20,8 @@ _MODULES = {
     "Generation": "engine",
     "EngineThread": "engine_thread",
     "EdgespecError": "errors",
+    "Chunk": "fim",
+    "Infill": "fim",
     "PairInfo": "loader",
     "load": "loader",
     "pairs": "loader",

@@ -45,15 +45,29 @@ class ContextExceeded(ApiError):
 
 @dataclass(eq=False)  # each job is itself (kept in a set)
 class Job:
-    """One generation: its request, how the client wants the answer, and the events the
-    worker sends back to the event loop (Events, then None; or one ApiError)."""
+    """One request's generation: its request, how many answers and how the client wants them,
+    and the events the worker sends back to the event loop: per answer its Stats once started,
+    its Events, then None; or one ApiError instead of an answer, which ends the job."""
 
     request: Request
     stream: bool = False
     include_usage: bool = False  # OpenAI's stream_options.include_usage
+    count: int = 1  # answers to the one prompt (llama-server's n_cmpl)
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
+
+    def request_for(self, index: int, previous: str) -> Request:
+        """The request of answer `index`: a seeded request's seed + index, and (where the request
+        gives no prediction) the answer before as its predicted output. Answers to one prompt are
+        much alike, so the next is drafted from the last where they agree; each is still drawn
+        from the target's law (the same answer as a request of that seed alone)."""
+        if index == 0:
+            return self.request
+        sampling = self.request.sampling
+        if sampling.seed is not None:
+            sampling = replace(sampling, seed=sampling.seed + index)
+        return replace(self.request, sampling=sampling, prediction=self.request.prediction or previous or None)
 
     def capped(self, max_tokens: int | None) -> Job:
         """This job with the server's cap on an answer whose request sets no limit."""
@@ -89,10 +103,19 @@ class Answer:
     at once), tool calls are read apart from the text (the request's call parser). stats: the
     run's live statistics, from its start (the prompt's length is known before its prefill)."""
 
-    def __init__(self, job: Job, stats: Stats) -> None:
-        self.job, self.stats = job, stats
+    def __init__(self, job: Job, stats: Stats, index: int = 0) -> None:
+        """index: which of the job's answers (Job.count) this is."""
+        self.job, self.stats, self.index = job, stats, index
         self.parser = job.request.call_parser()
         self.id, self.created = secrets.token_hex(12), int(time.time())  # each API prefixes the id its way
+
+    async def following(self) -> Answer | None:
+        """The job's next answer, once this one was read to its end (None: there is none, the
+        client left); an ApiError if it could not start."""
+        started = await self.job.events.get() if self.index + 1 < self.job.count else None
+        if isinstance(started, ApiError):
+            raise started
+        return None if started is None else Answer(self.job, started, self.index + 1)
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -110,8 +133,6 @@ class Answer:
             if failure := next((e for e in events if isinstance(e, ApiError)), None):
                 raise failure
             text, calls = self._split("".join(e.text for e in events), last=done)
-            if done:
-                log_answer(self.stats)
             yield Piece(text, calls, self.stats, done)
             if done:
                 return

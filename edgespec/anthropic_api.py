@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from starlette.responses import JSONResponse
 
 from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, refused, sse
-from .request import MAX_STOP, Request, RequestError, json_field, sampling_of, speculation_of
+from .request import MAX_STOP, Request, RequestError, answer_limit, json_field, sampling_of, speculation_of
 from .stats import Stats
 from .tools import ToolCall
 
@@ -42,7 +42,7 @@ def request_of(body: dict, *, counting: bool = False) -> Request:
     messages = _system(body.get("system")) + _messages(body.get("messages"))
     max_tokens = None
     if not counting:
-        max_tokens = json_field(body, "max_tokens", (int,))
+        max_tokens = answer_limit(body, "max_tokens")
         if max_tokens is None:
             raise RequestError("'max_tokens' is required (the Messages API asks for it)", "max_tokens")
     stop = body.get("stop_sequences") or []

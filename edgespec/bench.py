@@ -20,7 +20,7 @@ from time import perf_counter
 
 import numpy as np
 
-from . import calibration
+from . import calibration, fim_bench
 from .engine import Engine
 from .errors import EdgespecError
 from .kernels import plain_llama
@@ -62,7 +62,7 @@ def load_prompts() -> list[dict]:
 
 def check_selection(modes: Sequence[str], prompts: Sequence[str] | None) -> None:
     """Refuse unknown mode or prompt-class names (before any model is loaded)."""
-    classes = [p["name"] for p in load_prompts()]
+    classes = [p["name"] for p in load_prompts()] + [fim_bench.NAME]
     for name in modes:
         if name not in MODES:
             raise EdgespecError(f"unknown bench mode '{name}'; use some of {', '.join(MODES)}")
@@ -83,9 +83,11 @@ def run_bench(
     prompts: Sequence[str] | None = None,
 ) -> dict:
     """modes: which of MODES to run ("off", the baseline, always runs); prompts: which
-    classes (default: all)."""
+    classes (default: all; fill-in-the-middle where the target has the tokens for it)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     check_selection(modes, prompts)
+    if fim_bench.NAME in (prompts or ()):
+        engine.fim_tokens()  # a target without them is told so before any calibration
     modes = [m for m in MODES if m is DraftMode.OFF or (m in modes and m in engine.draft_modes)]
     if llama_baseline:
         modes.append("llama")
@@ -110,6 +112,9 @@ def run_bench(
         rows.append(mode_rows(prompt["name"], runs) | {"ceiling": _ceiling(verify_curve)})
         if DraftMode.AUTO in runs:
             rows[-1] |= _against_best_fixed(rows[-1]["modes"])
+    fim = None
+    if fim_bench.NAME in (prompts or ()) or (not prompts and not engine.target.fim.missing()):
+        fim = fim_bench.run_fim(engine, [m for m in modes if m != "llama"], repeats, log)
     return {
         "target": engine.target.path.name,
         "draft": draft_model.path.name if draft_model else None,
@@ -125,6 +130,7 @@ def run_bench(
         "draft_step_cost": draft_curve(1) / verify_curve(1) if draft_curve else None,
         "rollback": _rollback(engine, verify_curve),
         "prompts": rows,
+        "fim": fim,
     }
 
 
@@ -315,3 +321,5 @@ def print_report(report: dict) -> None:
             print(
                 f"{row['prompt']:<15}auto is {row['auto_vs_best_fixed']:.2f}x the best fixed mode ({row['best_fixed']})"
             )
+    if report["fim"]:
+        fim_bench.print_rows(report["fim"])

@@ -56,6 +56,8 @@ def _request(args: argparse.Namespace, prompt: str = "", **reading) -> Request:
     """The request the arguments describe (checked as any request is), so that a typo fails
     before any model is loaded and costs no load time. reading: what was read from files."""
     check_mode(args.draft_mode, has_model=args.target is None or args.draft is not None)
+    if (limit := getattr(args, "max_tokens", None)) is not None and limit < 1:
+        raise EdgespecError(f"max-tokens must be >= 1, got {limit}")
     names = ("temperature", "top_k", "top_p", "min_p", "seed")
     sampling = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
     return Request(
@@ -229,6 +231,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(
         f"  Anthropic API at {url.removesuffix('/v1')} (messages): ANTHROPIC_BASE_URL for Claude Code", file=sys.stderr
     )
+    root = url.removesuffix("/v1")
+    print(f"  llama-server API at {root} (completion, infill): editors' code completion", file=sys.stderr)
     print(
         f"  try: curl {url}/chat/completions -H 'Content-Type: application/json'{auth}"
         """ -d '{"messages": [{"role": "user", "content": "Hello"}]}'""",

@@ -96,10 +96,10 @@ class ModelDrafter:
             else:
                 q = q_rows[len(tokens)]
                 if walk is None:
-                    q[:shared] = distribution(logits, params)[:shared]
+                    q[:shared] = distribution(logits, params, model)[:shared]
                     q /= q.sum()
                 else:
-                    q[:shared] = constrained(logits[:shared], params, walk.allows)
+                    q[:shared] = constrained(logits[:shared], params, walk.allows, model)
                 token = sample(q, rng.random())
                 confidence = q[token]
             p_all *= confidence

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -13,6 +14,7 @@ from .controller import Controller
 from .cost_curve import RollbackCost
 from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter
 from .errors import EdgespecError, PromptExceedsContext
+from .fim import FimTokens, Infill, layout
 from .grammar import Grammar, grammar_text
 from .model import Model
 from .modes import DraftMode, check_mode, draft_modes
@@ -123,8 +125,10 @@ class Engine:
         before the first event."""
         return self.events(self.start(request, **options))
 
-    def start(self, request: Request | Prompt, **options) -> Run:
-        """The request's Run, ready to give its events (the prompt rendered and checked, the grammar compiled)."""
+    def start(self, request: Request | Prompt, *, cancelled: threading.Event | None = None, **options) -> Run:
+        """The request's Run, ready to give its events (the prompt rendered and checked, the grammar
+        compiled). cancelled: set it from another thread to stop the run at its next prefill chunk or
+        round (a server's client gone)."""
         request = _request(request, options).settled(self.draft_mode, self.gamma)
         tokens = self.prompt_tokens(request)
         gbnf = grammar_text(request.grammar, request.json_schema)
@@ -133,7 +137,7 @@ class Engine:
         grammar = Grammar(self.target, gbnf) if gbnf is not None else None
         prediction = self.target.tokenize(request.prediction, add_special=False) if request.prediction else ()
         copy = CopyDrafter(vocab=self.target, prediction=prediction, conversation=self.conversation)
-        return Run(self.target, request, tokens, self._controller(request, copy), grammar)
+        return Run(self.target, request, tokens, self._controller(request, copy), grammar, cancelled)
 
     def generate(self, request: Request | Prompt, **options) -> Generation:
         """Like stream(), but return the whole answer (with tools: its text and tool calls apart)."""
@@ -163,6 +167,21 @@ class Engine:
         # a text this long cannot fit in the context whatever its tokens: refused before
         # llama.cpp's tokenizer spends seconds (and memory) on it
         max_chars = MAX_CHARS_PER_TOKEN * target.n_ctx
+        if isinstance(request.prompt, Infill):
+            tokens = self._infill_tokens(request, max_chars)
+        else:
+            tokens = target.tokenize(self._prompt_text(request, max_chars), add_special=True, parse_special=True)
+        if not tokens:
+            raise EdgespecError("the prompt is empty; give some text")
+        if len(tokens) > 1 and tokens[0] == tokens[1] == target.bos:  # template wrote BOS and so did add_special
+            tokens = tokens[1:]
+        if fit and len(tokens) >= target.n_ctx:
+            raise self._too_long(f"{len(tokens)} tokens")
+        return tokens
+
+    def _prompt_text(self, request: Request, max_chars: int) -> str:
+        """The prompt as text: raw, or rendered with the chat template (and the tools)."""
+        target = self.target
         if request.raw:
             text = request.prompt
         else:
@@ -181,14 +200,31 @@ class Engine:
             text += choice.opening if tools or choice.mode == "function" else ""
         if len(text) > max_chars:
             raise self._too_long(f"{len(text)} characters")
-        tokens = target.tokenize(text, add_special=True, parse_special=True)
-        if not tokens:
-            raise EdgespecError("the prompt is empty; give some text")
-        if len(tokens) > 1 and tokens[0] == tokens[1] == target.bos:  # template wrote BOS and so did add_special
-            tokens = tokens[1:]
-        if fit and len(tokens) >= target.n_ctx:
-            raise self._too_long(f"{len(tokens)} tokens")
-        return tokens
+        return text
+
+    def fim_tokens(self) -> FimTokens:
+        """The target's fill-in-the-middle tokens; EdgespecError naming those it lacks."""
+        fim = self.target.fim
+        if missing := fim.missing():
+            raise EdgespecError(
+                f"{self.target.path.name} has no fill-in-the-middle tokens ({', '.join(missing)} missing); infill"
+                " and suffix need a code model that has them, such as Qwen2.5-Coder"
+            )
+        return fim
+
+    def _infill_tokens(self, request: Request, max_chars: int) -> list[int]:
+        """A fill-in-the-middle prompt in the target's FIM tokens (fim.layout)."""
+        target, infill = self.target, request.prompt
+        fim = self.fim_tokens()
+        if infill.chars > max_chars:
+            raise self._too_long(f"{infill.chars} characters")
+        return layout(
+            infill,
+            fim,
+            lambda text: target.tokenize(text, add_special=False),
+            n_ctx=target.n_ctx,
+            bos=target.bos if target.add_bos else None,
+        )
 
     def _too_long(self, size: str) -> PromptExceedsContext:
         return PromptExceedsContext(size, self.target.n_ctx)

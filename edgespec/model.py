@@ -32,6 +32,7 @@ import llama_cpp._logger
 import numpy as np
 
 from .errors import EdgespecError
+from .fim import FimTokens
 from .kernels import choose_repack
 from .prompt_cache import MIN_TOKENS, PromptCache, common_prefix
 
@@ -313,6 +314,29 @@ class Model:
     @property
     def add_bos(self) -> bool:
         return llama_cpp.llama_vocab_get_add_bos(self._vocab)
+
+    @property
+    def eot(self) -> int:
+        """The end-of-turn token, else the end-of-sequence one."""
+        eot = llama_cpp.llama_vocab_eot(self._vocab)
+        return eot if eot != llama_cpp.LLAMA_TOKEN_NULL else self.eos
+
+    @property
+    def fim(self) -> FimTokens:
+        """The model's fill-in-the-middle tokens."""
+        v = self._vocab
+
+        def token(get) -> int | None:
+            found = get(v)
+            return None if found == llama_cpp.LLAMA_TOKEN_NULL else found
+
+        return FimTokens(
+            prefix=token(llama_cpp.llama_vocab_fim_pre),
+            suffix=token(llama_cpp.llama_vocab_fim_suf),
+            middle=token(llama_cpp.llama_vocab_fim_mid),
+            repo=token(llama_cpp.llama_vocab_fim_rep),
+            file_sep=token(llama_cpp.llama_vocab_fim_sep),
+        )
 
     def chat_template(self) -> str | None:
         return _chat_template(self._model)

@@ -10,7 +10,14 @@ from .request import Request, RequestError, json_field
 from .stats import Stats
 from .tools import ToolCall
 
-FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
+FINISH_REASONS = {
+    "stop": "stop",
+    "stop_string": "stop",
+    "indent": "stop",
+    "deadline": "stop",
+    "length": "length",
+    "context": "length",
+}
 
 
 def usage(stats: Stats, predicted: bool) -> dict:

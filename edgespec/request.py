@@ -15,11 +15,12 @@ from dataclasses import dataclass, replace
 from . import tools
 from .chat import Message
 from .errors import EdgespecError
+from .fim import Infill
 from .modes import AUTO, DraftMode, check_gamma, draft_mode
 from .sampling import DEFAULT as DEFAULT_SAMPLING
 from .sampling import SamplingParams
 
-Prompt = str | Sequence[Message]
+Prompt = str | Sequence[Message] | Infill
 MAX_STOP = 16  # stop strings per request
 
 
@@ -37,9 +38,15 @@ class Request:
 
     prompt: a user message (str) or a conversation of {"role", "content"} messages, rendered
     with the model's chat template; raw=True sends a str as plain completion text
-    (special-token markup such as <|im_start|> parsed).
-    max_tokens: the answer's length at most; None: until the model stops or the context is
-    full (finish_reason "context"). stop: strings that end the answer (trimmed from it).
+    (special-token markup such as <|im_start|> parsed); an Infill is a fill-in-the-middle
+    completion (an editor's: code before and after the cursor), laid out in the model's FIM
+    tokens (fim.py), the answer being the middle.
+    max_tokens: the answer's length at most (0: the prompt is only read into the cache);
+    None: until the model stops or the context is full (finish_reason "context").
+    stop: strings that end the answer (trimmed from it). An editor's stops: min_indent, a
+    line after the first indented by fewer spaces or tabs ends the answer before it
+    (finish_reason "indent"); line_deadline_s, once the answer took this long it ends at its
+    next newline (finish_reason "deadline").
     draft_mode: auto, model, copy, hybrid or off (the target alone, the baseline); gamma: draft
     tokens per round, or "auto"; None for either: the engine's default.
     prediction: text the answer will largely repeat (OpenAI's Predicted Outputs, e.g. the file
@@ -62,6 +69,8 @@ class Request:
     sampling: SamplingParams = DEFAULT_SAMPLING
     max_tokens: int | None = None
     stop: Sequence[str] = ()
+    min_indent: int = 0
+    line_deadline_s: float | None = None
     raw: bool = False
     draft_mode: DraftMode | None = None
     gamma: int | str | None = None
@@ -74,13 +83,22 @@ class Request:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: the checked values are set once, here
-        if not isinstance(self.prompt, str):
+        if not isinstance(self.prompt, (str, Infill)):
             if self.raw:
                 raise RequestError("a raw prompt must be a string, not a list of messages", "prompt")
             set_("prompt", tuple(self.prompt))
         tokens = self.max_tokens
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-            raise RequestError(f"max-tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+            raise RequestError(f"max-tokens must be >= 0, got {self.max_tokens}", "max_tokens")
+        if isinstance(self.min_indent, bool) or not isinstance(self.min_indent, int) or self.min_indent < 0:
+            raise RequestError(f"the minimum indentation must be an integer >= 0, got {self.min_indent!r}", "n_indent")
+        deadline = self.line_deadline_s
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline < 0
+        ):
+            raise RequestError(
+                f"the line deadline must be a number of seconds >= 0, got {deadline!r}", "t_max_predict_ms"
+            )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) for s in stop):
             raise RequestError("'stop' must be a string or a list of strings", "stop")
@@ -99,6 +117,8 @@ class Request:
         constrained = self.grammar is not None or self.json_schema is not None
         if self.calls_tools and choice.call_schema is not None and constrained:
             raise RequestError("a forced tool call cannot also follow a grammar or schema; give one of them", "tools")
+        if self.calls_tools and isinstance(self.prompt, Infill):
+            raise RequestError("a fill-in-the-middle prompt cannot call tools; send a chat prompt", "tools")
 
     @classmethod
     def of(
@@ -173,12 +193,15 @@ class Request:
     @classmethod
     def from_openai(cls, body: dict, *, chat: bool) -> Request:
         """The request in an OpenAI request body (/v1/chat/completions, or /v1/completions with
-        chat=False), with llama-server's extensions (top_k, min_p, grammar, json_schema) and
-        ours (draft_mode, gamma); RequestError naming the first field that is wrong."""
-        prompt = _chat_messages(body) if chat else _completion_prompt(body)
+        chat=False, where a `suffix` makes it a fill-in-the-middle), with llama-server's extensions
+        (top_k, min_p, grammar, json_schema) and ours (draft_mode, gamma); RequestError naming the
+        first field that is wrong."""
+        prompt = _chat_messages(body) if chat else completion_prompt(body)
+        if not chat and (suffix := json_field(body, "suffix", (str,))):  # Tabby's fill-in-the-middle
+            prompt = Infill.at_cursor(prompt, suffix)
         if json_field(body, "n", (int,), 1) != 1:
             raise RequestError("only n=1 is supported: one answer per request", "n")
-        for unsupported in ("logprobs", "functions", "echo", "suffix"):
+        for unsupported in ("logprobs", "functions", "echo"):
             if body.get(unsupported) not in (None, False, [], 0, ""):
                 raise RequestError(f"'{unsupported}' is not supported by edgespec", unsupported)
         stop = body.get("stop")
@@ -193,11 +216,11 @@ class Request:
             if not isinstance(prediction, dict) or prediction.get("type") != "content":
                 raise RequestError('\'prediction\' must be {"type": "content", "content": ...}', "prediction")
             prediction = _text(prediction.get("content"), "prediction.content")
-        json_schema, grammar = _constraint(body)
+        json_schema, grammar = constraint_of(body)
         return cls(
             prompt,
             sampling_of(body),
-            max_tokens=json_field(body, "max_completion_tokens", (int,)) or json_field(body, "max_tokens", (int,)),
+            max_tokens=answer_limit(body, "max_completion_tokens", "max_tokens"),
             stop=stop or (),
             raw=not chat,
             prediction=prediction,
@@ -247,6 +270,17 @@ def _text(content, param: str) -> str:
     raise RequestError(f"'{param}' must be a string or a list of text parts", param)
 
 
+def answer_limit(body: dict, *names: str) -> int | None:
+    """The first of the fields `names` that is set: an answer's length at most, 1 or more (as
+    OpenAI's and Anthropic's APIs take it; a Request's 0, the prompt only, is llama-server's)."""
+    for name in names:
+        if (value := json_field(body, name, (int,))) is not None:
+            if value < 1:
+                raise RequestError(f"'{name}' must be >= 1", name)
+            return value
+    return None
+
+
 def json_field(body: dict, name: str, kinds: tuple, default=None):
     """body[name] if it is of one of `kinds` (int, float, str, bool), `default` if unset, else RequestError."""
     value = body.get(name, default)
@@ -280,7 +314,8 @@ def _chat_messages(body: dict) -> list[dict]:
     return chat
 
 
-def _completion_prompt(body: dict) -> str:
+def completion_prompt(body: dict) -> str:
+    """A completion body's `prompt`: one non-empty string (or a list of one)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -289,7 +324,7 @@ def _completion_prompt(body: dict) -> str:
     return prompt
 
 
-def _constraint(body: dict) -> tuple[dict | None, str | None]:
+def constraint_of(body: dict) -> tuple[dict | None, str | None]:
     """(json_schema, grammar) the answer must match: OpenAI's response_format, or
     llama-server's `json_schema` (a schema) and `grammar` (GBNF text) fields, at most one of them."""
     response_format, json_schema = body.get("response_format"), body.get("json_schema")

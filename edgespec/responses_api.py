@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from .answers import Answer, ApiError, Dialect, Job, log, refused, sse
-from .request import Request, RequestError, json_field, sampling_of, speculation_of
+from .request import Request, RequestError, answer_limit, json_field, sampling_of, speculation_of
 from .stats import Stats
 from .tools import ToolCall
 
@@ -156,7 +156,7 @@ class Responses(Dialect):
             request = Request(
                 messages,
                 sampling_of(body),
-                max_tokens=json_field(body, "max_output_tokens", (int,)),
+                max_tokens=answer_limit(body, "max_output_tokens"),
                 json_schema=_schema(body),
                 **_tools(body),
                 **speculation_of(body),

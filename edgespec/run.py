@@ -6,6 +6,7 @@ learnt across requests."""
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -29,6 +30,8 @@ from .sampling import (
 from .stats import RoundTiming, Stats, trailing_repeat
 from .text import TextStream
 
+PREFILL_CHUNK = 256  # prompt tokens a prefill pass reads: a cancelled run stops after one
+
 
 @dataclass
 class Event:
@@ -48,15 +51,23 @@ class Run:
     """A request's answer, token by token (events()), and what speculation did (stats)."""
 
     def __init__(
-        self, target: Model, request: Request, prompt: list[int], controller: Controller, grammar: Grammar | None
+        self,
+        target: Model,
+        request: Request,
+        prompt: list[int],
+        controller: Controller,
+        grammar: Grammar | None,
+        cancelled: threading.Event | None = None,
     ) -> None:
-        """request: with the engine's defaults settled (Request.settled); prompt: its tokens."""
+        """request: with the engine's defaults settled (Request.settled); prompt: its tokens;
+        cancelled: set from another thread (a client gone) to stop the run early."""
         self.target, self.request, self.controller, self.grammar = target, request, controller, grammar
+        self.cancelled = cancelled
         self.params: SamplingParams = request.sampling
         self.prompt = prompt
         self.seq = list(prompt)  # prompt + output; the target's KV cache holds seq[:-1]
         max_tokens = request.max_tokens
-        self.limit = len(prompt) + max_tokens if max_tokens else target.n_ctx + 1
+        self.limit = len(prompt) + max_tokens if max_tokens is not None else target.n_ctx + 1
         # the answer's randomness is a function of the seed and each token's position (see
         # sampling.position_uniforms); drafts from the model draw from a stream of their own
         self.seed = secrets.randbits(63) if self.params.seed is None else self.params.seed
@@ -75,20 +86,42 @@ class Run:
             if (rollback := controller.verify_rollback) is not None:
                 self.stats.checkpoint_steps = rollback.checkpoint_s / controller.V(1)
                 self.stats.restore_steps = rollback.restore_s / controller.V(1)
-        self.text = TextStream(request.stops)
+        self.text = TextStream(request.stops, request.min_indent)
 
     def events(self) -> Iterator[Event]:
         """Prefill, then the answer's tokens as events; the last has token None, the remaining
-        text and the final stats."""
-        target, stats = self.target, self.stats
-        start = perf_counter()
-        # the target's cache holds everything but the last token, which opens the first verify batch
-        stats.n_prompt_cached = target.sync(self.prompt)
-        target.eval(self.prompt[stats.n_prompt_cached : -1])
-        self.controller.prefill(self.prompt, room=min(target.n_ctx, self.limit - 1) - len(self.prompt))
+        text and the final stats. A run cancelled (from another thread) stops at its next
+        prefill chunk or round, with finish_reason "cancelled"."""
+        stats, start = self.stats, perf_counter()
+        prefilled = self._prefill()
         stats.prefill_s = perf_counter() - start
+        if prefilled:
+            yield from self._answer()
+        stats.repeated_tokens, stats.repeat_period = trailing_repeat(self.seq[len(self.prompt) :])
+        yield Event(self.text.flush(), None, None, self.stats)
 
-        start = perf_counter()
+    def _prefill(self) -> bool:
+        """The prompt into the caches (False: cancelled on the way). The target's holds all but
+        the last token, which opens the first verify batch; it is read PREFILL_CHUNK tokens a
+        pass, so that a client who left (an editor's user typing on) waits for one chunk at most,
+        and the next request finds the chunks read so far in the cache."""
+        target, prompt = self.target, self.prompt
+        self.stats.n_prompt_cached = target.sync(prompt)
+        for at in range(self.stats.n_prompt_cached, len(prompt) - 1, PREFILL_CHUNK):
+            if self._cancelled():
+                return False
+            target.eval(prompt[at : min(at + PREFILL_CHUNK, len(prompt) - 1)])
+        if self._cancelled():
+            return False
+        self.controller.prefill(prompt, room=min(target.n_ctx, self.limit - 1) - len(prompt))
+        return True
+
+    def _answer(self) -> Iterator[Event]:
+        """The answer's tokens as events, until a stop (finish_reason set)."""
+        target, stats, start = self.target, self.stats, perf_counter()
+        if self.request.max_tokens == 0:  # the prompt was all there was to do
+            stats.finish_reason = "length"
+            return
         try:
             for new_tokens in self.rounds():
                 for token, from_draft in new_tokens:
@@ -96,19 +129,33 @@ class Run:
                         stats.finish_reason = "stop"
                         break
                     stats.n_tokens, stats.decode_s = stats.n_tokens + 1, perf_counter() - start
-                    yield Event(self.text.push(target.piece(token)), token, "draft" if from_draft else "target", stats)
-                    if self.text.stopped:
-                        stats.finish_reason, stats.stop_string = "stop_string", self.text.stopped
-                    elif stats.n_tokens == self.request.max_tokens:
-                        stats.finish_reason = "length"
+                    piece = target.piece(token)
+                    yield Event(self.text.push(piece), token, "draft" if from_draft else "target", stats)
+                    stats.finish_reason = self._stop_after(piece)
                     if stats.finish_reason:
                         break
-                if stats.finish_reason:
+                if stats.finish_reason or self._cancelled():
                     break
         except ContextFull:
             stats.finish_reason = "context"
-        stats.repeated_tokens, stats.repeat_period = trailing_repeat(self.seq[len(self.prompt) :])
-        yield Event(self.text.flush(), None, None, stats)
+
+    def _stop_after(self, piece: bytes) -> str | None:
+        """Why the answer ends after this token's `piece`, if it does."""
+        request, stats = self.request, self.stats
+        if self.text.stopped:
+            stats.stop_string = self.text.stopped
+            return "stop_string"
+        if self.text.under_indented:
+            return "indent"
+        if request.line_deadline_s is not None and b"\n" in piece and stats.decode_s > request.line_deadline_s:
+            return "deadline"
+        return "length" if stats.n_tokens == request.max_tokens else None
+
+    def _cancelled(self) -> bool:
+        if self.cancelled is not None and self.cancelled.is_set():
+            self.stats.finish_reason = "cancelled"
+            return True
+        return False
 
     def rounds(self) -> Iterator[list[tuple[int, bool]]]:
         """Rounds of plan -> draft -> verify -> accept -> observe. Yields each round's new
@@ -132,7 +179,8 @@ class Run:
             t_pass = perf_counter()
 
             # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i)
-            rows = TargetRows(target.eval([seq[-1]] + draft.tokens, all_logits=True), params, grammar, draft.tokens)
+            logits = target.eval([seq[-1]] + draft.tokens, all_logits=True)
+            rows = TargetRows(logits, params, target, grammar, draft.tokens)
             if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
                 n, next_token = verify_greedy(draft.tokens, rows.argmax)
             else:  # accept x_i w.p. min(1, p_i(x)/q_i(x)); else resample norm(max(p_i - q_i, 0)); bonus from p_γ
@@ -166,15 +214,17 @@ class TargetRows:
     grammar walks along the draft as far as it is accepted, never past a rejection, so
     it has nothing to roll back."""
 
-    def __init__(self, logits: np.ndarray, params: SamplingParams, grammar: Grammar | None, draft: list[int]) -> None:
-        self.logits, self.params, self.grammar, self.draft = logits, params, grammar, draft
+    def __init__(
+        self, logits: np.ndarray, params: SamplingParams, target: Model, grammar: Grammar | None, draft: list[int]
+    ) -> None:
+        self.logits, self.params, self.target, self.grammar, self.draft = logits, params, target, grammar, draft
         self.walked = 0  # draft tokens the grammar has taken
 
     def p(self, i: int) -> np.ndarray:
         if self.grammar is None:
-            return distribution(self.logits[i], self.params)
+            return distribution(self.logits[i], self.params, self.target)
         self._walk(i)
-        return constrained(self.logits[i], self.params, self.grammar.allows)
+        return constrained(self.logits[i], self.params, self.grammar.allows, self.target)
 
     def argmax(self, i: int) -> int:
         if self.grammar is None:

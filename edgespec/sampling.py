@@ -9,22 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from .errors import EdgespecError
 
+INFILL_KEEP = 0.2  # llama.cpp's infill sampler drops text tokens less likely than this
+INFILL_CANDIDATES = 64  # ... and works on at most this many (where no top-k limits them)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """llama.cpp's defaults. temperature 0 means greedy; top_k 0, top_p 1 and
-    min_p 0 switch those filters off."""
+    min_p 0 switch those filters off. infill: llama.cpp's infill sampler after them
+    (what llama.vscode asks for; see infill())."""
 
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int | None = None
+    infill: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -44,11 +50,22 @@ class SamplingParams:
 DEFAULT = SamplingParams()  # the one source of the defaults (engine, command line, chat app)
 
 
-def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+class Vocabulary(Protocol):
+    """What the infill sampler reads of a model's tokens (Model has it)."""
+
+    eot: int
+
+    def piece(self, token: int) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+
+def distribution(logits: np.ndarray, params: SamplingParams, vocab: Vocabulary | None = None) -> np.ndarray:
     """Final sampling distribution over the vocabulary (float64, sums to 1).
 
     Filters run in llama.cpp's default chain order: top-k, top-p, min-p on the
-    untempered logits, then temperature on the survivors."""
+    untempered logits, then temperature on the survivors, then (params.infill, which
+    needs the model's `vocab`) the infill sampler."""
     logits = np.asarray(logits)
     if params.greedy:
         p = np.zeros(logits.shape[0])
@@ -70,22 +87,74 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         keep = np.exp(z - z.max()) >= params.min_p  # probability relative to the top token's
         ids, z = ids[keep], z[keep]
     w = np.exp((z - z.max()) / params.temperature)
+    if params.infill:
+        ids, w = infill(ids, w, vocab)
     p = np.zeros(n)
     p[ids] = w / w.sum()
     return p
+
+
+def infill(ids: np.ndarray, w: np.ndarray, vocab: Vocabulary) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's infill sampler (llama_sampler_infill_apply) on candidates `ids` of
+    weights w (their probabilities, unnormalised): which stay, with their weights (llama.cpp
+    then draws in proportion to the survivors' own probabilities).
+    - End-of-generation tokens together likelier than a third of an average text token's
+      share (3·p_eog·n > p_txt): only they stay; the middle is done.
+    - Else a token whose text starts another's is merged with it, the likelier keeping both
+      probabilities (` foo` and ` foobar` are one choice); text tokens under INFILL_KEEP
+      are dropped (none left: the end-of-turn token alone), then those under 1/(text
+      tokens + 1) of what is left. A middle goes on only where the model is sure of it.
+    Of more than INFILL_CANDIDATES candidates (no top-k), the likeliest that many."""
+    if len(ids) > INFILL_CANDIDATES:
+        top = np.argpartition(-w, INFILL_CANDIDATES - 1)[:INFILL_CANDIDATES]
+        ids, w = ids[top], w[top]
+    order = np.argsort(-w, kind="stable")  # llama.cpp walks them likeliest first
+    ids, w = ids[order], w[order]
+    p = w / w.sum()
+    eog = np.array([vocab.is_eog(int(t)) for t in ids])
+    if 3 * p[eog].sum() * len(ids) > p[~eog].sum():
+        return ids[eog], w[eog]
+    pieces = [vocab.piece(int(t)) for t in ids]
+    at: dict[bytes, list[int]] = {}
+    for i, piece in enumerate(pieces):
+        at.setdefault(piece, []).append(i)
+    longer: list[list[int]] = [[] for _ in pieces]  # longer[i]: the candidates whose text starts with i's
+    for j, piece in enumerate(pieces):
+        for end in range(1, len(piece) + 1):
+            for i in at.get(piece[:end], ()):
+                if i != j:
+                    longer[i].append(j)
+    gone = np.zeros(len(ids), dtype=bool)
+    for i in range(len(ids)):
+        for j in sorted(longer[i]):
+            if gone[i]:
+                break
+            if not gone[j]:
+                keep, drop = (j, i) if p[j] > p[i] else (i, j)
+                p[keep] += p[drop]
+                gone[drop] = True
+    kept = ~gone & (eog | (p >= INFILL_KEEP))
+    n_text = int((kept & ~eog).sum())
+    if n_text == 0:
+        return np.array([vocab.eot]), np.ones(1)
+    p = np.where(kept, p, 0.0) / p[kept].sum()
+    kept &= eog | (p >= 1 / (n_text + 1))
+    return ids[kept], w[kept]
 
 
 Allows = Callable[[np.ndarray], np.ndarray]  # token ids -> which of them a grammar lets come next
 FIRST_LOOK = 256  # a grammar is asked about this many of the likeliest tokens first
 
 
-def constrained(logits: np.ndarray, params: SamplingParams, allows: Allows) -> np.ndarray:
+def constrained(
+    logits: np.ndarray, params: SamplingParams, allows: Allows, vocab: Vocabulary | None = None
+) -> np.ndarray:
     """The law under a grammar: p_g ∝ p·1[allowed], p the final distribution (so top-k,
     top-p, min-p and temperature act as without a grammar, then what the grammar forbids
     is removed). Where the grammar forbids all of p's support, p_g is the distribution of
     the allowed tokens' logits alone. Only p's support is checked against the grammar,
     which is cheap (a full vocabulary takes llama.cpp 10-200 ms), unless that fallback is needed."""
-    p = distribution(logits, params)
+    p = distribution(logits, params, vocab)
     support = np.flatnonzero(p)
     kept = support[allows(support)]
     if len(kept):
@@ -95,7 +164,7 @@ def constrained(logits: np.ndarray, params: SamplingParams, allows: Allows) -> n
     ids = allowed_top(logits, allows, 1 if params.greedy else params.top_k)
     masked = np.full(len(logits), -np.inf)
     masked[ids] = logits[ids]
-    return distribution(masked, params)
+    return distribution(masked, params, vocab)
 
 
 def constrained_argmax(logits: np.ndarray, allows: Allows) -> int:

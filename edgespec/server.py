@@ -1,5 +1,6 @@
-"""`edgespec serve`: OpenAI's chat completions and completions, Anthropic's Messages API
-and OpenAI's Responses API over one Engine.
+"""`edgespec serve`: OpenAI's chat completions and completions, Anthropic's Messages API,
+OpenAI's Responses API and llama-server's /completion and /infill (editors' code
+completion) over one Engine.
 
 One worker thread owns the engine and runs requests one at a time, in arrival order
 (llama.cpp contexts are not shared between threads; the KV cache of the prefix that
@@ -29,12 +30,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import anthropic_api
-from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, refused
+from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, log_answer, refused
 from .engine import Engine
 from .engine_thread import EngineThread
 from .errors import EdgespecError, PromptExceedsContext
+from .llama_api import LlamaServer
 from .openai_api import OpenAIChat
-from .request import RequestError
+from .request import Request, RequestError
 from .responses_api import Responses
 
 MAX_BODY = 8 << 20  # bytes: a whole source file as a prediction fits many times over
@@ -97,29 +99,45 @@ class Worker:
             self._unfinished.discard(job)
 
     def _generate(self, job: Job) -> None:
+        previous = ""
+        for index in range(job.count):
+            if index and job.cancelled.is_set():
+                job.send(None)  # whoever waits for the next answer hears there is none
+                return
+            previous = self._answer(job, job.request_for(index, previous))
+            if previous is None:
+                return
+
+    def _answer(self, job: Job, request: Request) -> str | None:
+        """One answer of the job: its Stats, its events, then None; the answer's text, or None
+        where it failed (an ApiError sent instead)."""
         try:
-            run = self.engine.start(job.request)
+            run = self.engine.start(request, cancelled=job.cancelled)
         except PromptExceedsContext as e:
             job.send(ContextExceeded(e))
-            return
+            return None
         except EdgespecError as e:  # a parameter is out of range, a template fails, ...
             job.send(ApiError(400, str(e)))
-            return
+            return None
         job.send(run.stats)  # the request is good: its answer may begin before the prefill
-        events = self.engine.events(run)
+        text = []
+        events = self.engine.events(run)  # a cancelled run ends at its next prefill chunk or round
         try:
             for event in events:
                 job.send(event)
-                if job.cancelled.is_set():  # the client left: free the engine at this round
-                    break
+                text.append(event.text)
         except EdgespecError as e:  # the request's grammar stopped working (see grammar.py)
             job.send(ApiError(400, str(e)))
+            return None
         except Exception as e:  # a llama.cpp failure: answer 500, keep serving
             log.error("generation failed: %s: %s", type(e).__name__, e)
             job.send(ApiError(500, f"generation failed ({type(e).__name__})"))
+            return None
         finally:
             events.close()
+        log_answer(run.stats)  # here, not where it is read: an answer whose client left is logged too
         job.send(None)
+        return "".join(text)
 
 
 # --- the HTTP API -----------------------------------------------------------------------
@@ -146,6 +164,9 @@ class Api:
         self.completion = OpenAIChat(model_name, chat=False)
         self.messages = anthropic_api.Messages(model_name)
         self.responses = Responses(model_name)
+        n_ctx = worker.wait_loaded().target.n_ctx
+        self.completion_native = LlamaServer(model_name, n_ctx, infill=False)
+        self.infill = LlamaServer(model_name, n_ctx, infill=True)
 
     def app(self) -> Starlette:
         @asynccontextmanager
@@ -164,6 +185,8 @@ class Api:
             Route("/v1/messages", answer(self.messages), methods=["POST"]),
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/v1/responses", answer(self.responses), methods=["POST"]),
+            Route("/completion", answer(self.completion_native), methods=["POST"]),  # llama-server's own
+            Route("/infill", answer(self.infill), methods=["POST"]),
         ]
         app = Starlette(routes=routes, lifespan=lifespan)
         app.add_middleware(_Guard, api_key=self.api_key, dialect_of=self.dialect_of)
@@ -171,7 +194,9 @@ class Api:
 
     def dialect_of(self, path: str) -> Dialect:
         """The API a path belongs to (its refusals come in that API's error JSON)."""
-        return self.messages if path.startswith("/v1/messages") else self.chat
+        if path.startswith("/v1/messages"):
+            return self.messages
+        return self.infill if path in ("/infill", "/completion") else self.chat
 
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok"})

@@ -93,7 +93,9 @@ class Stats:
     rollback_s: float = 0.0  # of decode_s: cutting a recurrent target's state back (checkpoints, restores)
     rounds_s: float = 0.0  # the rounds' whole time, planning and learning included (not the caller's between them)
     plain_s: float = 0.0  # of rounds_s: the rounds that drafted nothing, each a plain step of the target
-    finish_reason: str | None = None  # stop | stop_string | length | context
+    # stop | stop_string | length | context; an editor's stops: indent | deadline (see Request);
+    # cancelled (stopped from outside: a client gone)
+    finish_reason: str | None = None
     stop_string: str | None = None  # the stop string that ended the answer (finish_reason stop_string)
     # what the controller chose: rounds per source ("model", "copy", "prediction", "off"), draft
     # tokens proposed and accepted per source, its α per drafter, its last choice, and the

@@ -89,6 +89,11 @@ def test_bad_bench_selection_fails_before_loading(capsys, monkeypatch, extra, wo
     assert_one_line_error(*run(capsys, "bench", *SMALL, *extra)[::2], *words)
 
 
+def test_bench_fim_on_a_model_without_fim_tokens_is_one_line(capsys, smollm2_path):
+    code, _, err = run(capsys, "bench", *SMALL, "--prompts", "fim")
+    assert_one_line_error(code, err, "no fill-in-the-middle tokens", "Qwen2.5-Coder")
+
+
 def test_prompt_longer_than_context(capsys, smollm2_path):
     code, _, err = run(capsys, "generate", "word " * 800, *SMALL)
     assert_one_line_error(code, err, "context holds 512", "--ctx")

@@ -7,6 +7,7 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,7 @@ def default_server():
 
 def test_readme_openai_client_section(capsys, default_server):
     """The server section's curl and Python examples, against `edgespec serve` on the default pair."""
-    section = README[README.index("## Use it from any OpenAI client") : README.index("## Agents")]
+    section = README[README.index("## Use it from any OpenAI client") : README.index("## Editors")]
     (shell,) = code_blocks(section, "sh")
     (python,) = code_blocks(section, "python")
     url = default_server.url
@@ -75,6 +76,29 @@ def test_readme_openai_client_section(capsys, default_server):
     exec(compile(python.replace("http://127.0.0.1:8080/v1", url), "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "surface" in out and "accepted_prediction_tokens" in out and "drafted" in out
+
+
+def test_readme_editors_section(default_server):
+    """The /infill example, and the side-by-side script (edgespec's servers only: llama-server
+    is not built here) on one completion."""
+    section = README[README.index("## Editors") : README.index("## Agents")]
+    (shell,) = code_blocks(section, "sh")
+    base = default_server.url.removesuffix("/v1")
+    curl = shell.replace("\\\n", " ").replace("http://127.0.0.1:8080", base)
+    done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
+    reply = json.loads(done.stdout)
+    assert reply["content"] and reply["stop"] is True and "timings" in reply and "speculative" in reply
+    assert "scripts/fim_side_by_side.py --llama-server PATH" in section
+
+
+def test_fim_side_by_side_script_runs(tmp_path):
+    script = Path(__file__).parents[1] / "scripts" / "fim_side_by_side.py"
+    argv = [sys.executable, str(script), "--llama-server", "unused", "--cases", "1", "--ctx", "2048"]
+    argv += ["--only", "edgespec auto", "--out", str(tmp_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"\| edgespec auto \| \d+ \| \d+ \| \d+ \| \d+ \| \d+% \|", done.stdout), done.stdout
+    assert json.loads((tmp_path / "results.json").read_text())["servers"]["edgespec auto"]["exact"] in (0, 1)
 
 
 def test_readme_agents_section(capsys, default_server):

@@ -178,7 +178,7 @@ def test_context_full_and_prompt_too_long(smollm2_path):
     "kwargs, word",
     [
         ({"gamma": 0}, "gamma"),
-        ({"max_tokens": 0}, "max-tokens"),
+        ({"max_tokens": -1}, "max-tokens"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top-p"),
     ],
@@ -196,7 +196,7 @@ def test_bad_parameters(self_engine, kwargs, word):
     [
         ({"gamma": 0}, "gamma must be >= 1"),
         ({"gamma": "many"}, 'gamma must be an integer or "auto"'),
-        ({"max_tokens": 0}, "max-tokens must be >= 1"),
+        ({"max_tokens": -1}, "max-tokens must be >= 0"),
         ({"draft_mode": "fast"}, "unknown draft mode 'fast'"),
         ({"grammar": "root ::= [a-z]+", "json_schema": {"type": "object"}}, "a grammar or a JSON schema, not both"),
         ({"stop": ["x"] * 17}, "at most 16 stop strings"),

@@ -116,6 +116,26 @@ def test_completions_models_and_health(server):
     assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
 
 
+def test_llama_servers_completion_and_infill_on_a_model_without_fim_tokens(server, engine):
+    root = server.url.removesuffix("/v1")
+    native = httpx.post(
+        root + "/completion", json={"prompt": "The capital of France is", "n_predict": 8, "temperature": 0}
+    )
+    assert native.status_code == 200 and native.json()["stop"] is True
+    expected = engine.generate("The capital of France is", raw=True, temperature=0, max_tokens=8)
+    assert native.json()["content"] == expected.text and native.json()["timings"]["predicted_n"] == 8
+    for path, body in [
+        ("/infill", {"input_prefix": "def f():\n", "input_suffix": "\n"}),
+        ("/completion", {"prompt": 1}),
+    ]:
+        refused = httpx.post(root + path, json=body, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == 400
+    infill = httpx.post(root + "/infill", json={"input_prefix": "def f():\n", "input_suffix": "\n"}).json()
+    assert "no fill-in-the-middle tokens (prefix, suffix, middle missing)" in infill["error"]["message"]
+    suffix = server.post("/completions", json={"prompt": "def f():\n", "suffix": "\n"})
+    assert suffix.status_code == 400 and "fill-in-the-middle" in suffix.json()["error"]["message"]
+
+
 def test_a_full_context_ends_with_length_and_says_so(server):
     counting = ", ".join(str(i) for i in range(1, 200)) + ","  # ~890 tokens; the model keeps counting
     done = server.client().completions.create(model="m", prompt=counting, max_tokens=CTX, temperature=0)

@@ -1,0 +1,246 @@
+"""Editors' completions on the default pair (Qwen2.5-Coder 1.5B drafted by 0.5B, which have
+fill-in-the-middle tokens): exact answers with speculation on and off, the editors' stops,
+a client that leaves mid-prefill, and the recorded bodies of llama.vscode, Continue and Tabby
+(../shared/clients) answered by `edgespec serve` and read as those clients read them."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import replace
+
+import httpx
+import pytest
+from conftest import assert_greedy_match
+from test_clients import recorded
+from test_server import Server
+
+import edgespec
+from edgespec import Infill, Request, SamplingParams, fim_bench
+from edgespec.fim_bench import cases
+from edgespec.run import PREFILL_CHUNK
+
+CTX = 4096
+GREEDY = SamplingParams(temperature=0)
+FIZZBUZZ = Infill("def fizzbuzz(n):\n", "\n\nfor line in fizzbuzz(15):\n    print(line)\n", "    ")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with edgespec.load("qwen-coder", n_ctx=CTX, progress=False) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--pair", "qwen-coder", "--ctx", str(CTX))
+    yield s
+    assert s.stop() == 0
+    assert not any(" 500 " in line or "internal error" in line for line in s.lines), "".join(s.lines)
+
+
+def test_greedy_fim_answers_are_the_same_with_speculation_on_and_off(engine):
+    drafted = 0
+    for case in cases(2):
+        request = replace(case.request("off"), max_tokens=24, min_indent=0)
+        baseline = engine.generate(request)
+        prompt = engine.prompt_tokens(request)
+        assert prompt.count(engine.target.fim.middle) == 1 and baseline.stats.n_tokens > 0
+        for mode, gamma in (("copy", 8), ("model", 3), ("auto", "auto")):  # fixed γ: drafts whatever they cost
+            other = engine.generate(replace(request, draft_mode=mode, gamma=gamma))
+            assert_greedy_match(f"{case.name} {mode}", engine.target, prompt, baseline.tokens, other.tokens)
+            drafted += other.stats.drafted
+    assert drafted > 0  # the check above compared speculation, not three plain runs
+
+
+def test_the_answer_ends_at_an_end_of_generation_token_of_fim(engine):
+    """Qwen-Coder ends a middle with <|endoftext|>, <|fim_pad|>, <|file_sep|> or <|repo_name|>
+    (llama.cpp #9606): each is an end of generation, none is written out as text."""
+    target = engine.target
+    for token in (151643, 151662, target.fim.file_sep, target.fim.repo):
+        assert target.is_eog(token), token
+    answer = engine.generate(Request(Infill("x = [1, 2, 3]\ntotal = ", "\nprint(total)\n"), GREEDY, max_tokens=32))
+    assert answer.stats.finish_reason in ("stop", "length") and "<|" not in answer.text, answer.text
+
+
+def test_a_deadline_ends_the_answer_at_its_next_newline(engine):
+    whole = engine.generate(Request(FIZZBUZZ, GREEDY, max_tokens=48))
+    assert whole.text.count("\n") >= 2, whole.text  # several lines: the deadline has one to cut
+    cut = engine.generate(Request(FIZZBUZZ, GREEDY, max_tokens=48, line_deadline_s=0.0))
+    assert cut.stats.finish_reason == "deadline"
+    assert cut.text == whole.text[: whole.text.index("\n") + 1]
+
+
+def test_n_indent_ends_the_answer_before_a_line_indented_less(engine):
+    whole = engine.generate(Request(FIZZBUZZ, GREEDY, max_tokens=48)).text
+    lines = whole.split("\n")
+    starts = [len("\n".join(lines[:i])) + 1 for i in range(1, len(lines))]  # where lines 1.. begin
+    indents = [len(line) - len(line.lstrip(" ")) for line in lines[1:]]
+    assert min(indents[:-1]) == 8 and max(indents) == 12, whole  # if-branches at 8, their bodies at 12
+    for min_indent in (8, 12):
+        cut = engine.generate(Request(FIZZBUZZ, GREEDY, max_tokens=48, min_indent=min_indent))
+        rows = zip(starts, indents, lines[1:], strict=True)
+        under = [start for start, indent, line in rows if indent < min_indent and line]
+        if under:  # the text ends with the newline before the first line indented less
+            assert cut.stats.finish_reason == "indent" and cut.text == whole[: under[0]], min_indent
+        else:
+            assert cut.stats.finish_reason == "length" and cut.text == whole, min_indent
+    assert min_indent == 12 and under  # 8 kept every line, 12 cut one
+
+
+def test_a_cancelled_run_stops_its_prefill_and_leaves_what_it_read_in_the_cache(engine, monkeypatch):
+    long = Infill("import os\n" * 300, "\n", "def main():\n    ", ())
+    request = Request(long, GREEDY, max_tokens=8, draft_mode="off")
+    cancelled = threading.Event()
+    passes, target_eval = [], engine.target.eval
+
+    def eval_then_leave(tokens, **kwargs):  # the client hangs up while the first chunk is read
+        passes.append(len(tokens))
+        cancelled.set()
+        return target_eval(tokens, **kwargs)
+
+    engine.forget()
+    monkeypatch.setattr(engine.target, "eval", eval_then_leave)
+    stats = list(engine.events(engine.start(request, cancelled=cancelled)))[-1].stats
+    monkeypatch.undo()
+    assert stats.finish_reason == "cancelled" and stats.n_tokens == 0
+    assert passes == [PREFILL_CHUNK] and stats.n_prompt > 3 * PREFILL_CHUNK
+    again = engine.generate(request).stats  # the next keystroke's request starts where it stopped
+    assert again.n_prompt_cached == PREFILL_CHUNK and again.finish_reason == "length"
+
+
+def test_fim_on_a_model_without_fim_tokens_says_which_are_missing(self_engine):
+    with pytest.raises(
+        edgespec.EdgespecError, match=r"no fill-in-the-middle tokens \(prefix, suffix, middle missing\)"
+    ):
+        self_engine.generate(Request(FIZZBUZZ, GREEDY, max_tokens=4))
+
+
+def test_bench_fim_class_times_keystrokes(engine, capsys):
+    report = fim_bench.run_fim(engine, ["off", "auto"], repeats=1, log=print, count=2)
+    for row in report["modes"].values():
+        assert 0 < row["first_p50_ms"] <= row["last_p50_ms"] and 0 <= row["exact"] <= 1
+        assert 0 < row["prompt_read"] < 600  # the keystroke before left the chunks and the prefix in the cache
+    assert report["modes"]["off"]["vs_off_p50"] == 1
+    fim_bench.print_rows(report)
+    out = capsys.readouterr().out
+    assert out.count("first token") == 4 and re.search(r"^auto +\d+ +\d+ +\d+ +\d+ +[\d.]+x", out, flags=re.M)
+
+
+# --- the recorded clients --------------------------------------------------------------
+
+
+def post(server: Server, path: str, body: dict, timeout: float = 300) -> httpx.Response:
+    """A request to llama-server's own endpoints, at the server's root."""
+    return httpx.post(server.url.removesuffix("/v1") + path, json=body, timeout=timeout)
+
+
+def logged(server: Server, since: int, pattern: str) -> str:
+    """The first line of the server's log from line `since` on that matches `pattern` (waiting
+    for it: the log is read apart)."""
+    for _ in range(100):
+        if found := [line for line in server.lines[since:] if re.search(pattern, line)]:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no {pattern!r} in the log: " + "".join(server.lines[since:]))
+
+
+def test_llama_vscode_warms_up_then_gets_three_answers(server):
+    prep = post(server, "/infill", recorded("llama-vscode-infill-prep.json")["body"])
+    assert prep.status_code == 200, prep.text
+    assert prep.json()["content"] == "" and prep.json()["timings"]["predicted_n"] == 0
+    response = post(server, "/infill", recorded("llama-vscode-infill.json")["body"])
+    assert response.status_code == 200, response.text
+    answers = response.json()
+    # llama.vscode: an array of results when n_cmpl > 1, each read for `content`
+    assert isinstance(answers, list) and [a["index"] for a in answers] == [0, 1, 2]
+    for answer in answers:
+        assert isinstance(answer["content"], str) and answer["truncated"] is False
+        assert answer["generation_settings"]["n_ctx"] == CTX and answer["tokens_cached"] > 0
+        timings = answer["timings"]
+        for key in (
+            "prompt_n",
+            "prompt_ms",
+            "prompt_per_second",
+            "predicted_n",
+            "predicted_ms",
+            "predicted_per_second",
+        ):
+            assert isinstance(timings[key], (int, float)), key
+        assert answer["stop_type"] in ("eos", "limit", "word")
+    # the warm-up's chunks were read once: the first answer's prompt starts from them
+    assert answers[0]["timings"]["cache_n"] > 0
+    assert answers[1]["timings"]["prompt_n"] <= 1  # the next answers re-read nothing
+
+
+def test_continue_streams_content_and_aborts_as_the_user_types_on(server):
+    """Continue reads `content` from each event, and aborts the request once it has what it
+    shows (or the user typed on): the server stops that answer."""
+    body = recorded("continue-completion.json")["body"]
+    root, since = server.url.removesuffix("/v1"), len(server.lines)
+    with httpx.stream("POST", root + "/completion", json=body, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        pieces = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                pieces.append(json.loads(line[len("data: ") :]))
+            if len(pieces) == 8:
+                break  # the abort
+    assert all(e["stop"] is False and isinstance(e["content"], str) for e in pieces)
+    text = "".join(e["content"] for e in pieces)
+    assert text and not any(stop in text for stop in body["stop"])
+    with_limit = post(server, "/completion", body | {"n_predict": 6}, timeout=300)  # read to its end
+    *rest, last = [
+        json.loads(line[len("data: ") :]) for line in with_limit.text.splitlines() if line.startswith("data: ")
+    ]
+    assert last["stop"] is True and last["stop_type"] == "limit" and last["timings"]["predicted_n"] == 6
+    assert "".join(e["content"] for e in rest) == text[: len("".join(e["content"] for e in rest))]
+    logged(server, since, r"answered: .* finish cancelled")  # the aborted answer ended there
+
+
+def test_tabby_streams_choices_of_a_suffix_completion(server):
+    body = recorded("tabby-completions.json")["body"]
+    chunks = list(server.client().completions.create(**body))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text and finishes in (["stop"], ["length"])
+
+
+def test_n_cmpl_answers_are_the_single_answers_of_the_following_seeds(server):
+    body = {"input_prefix": "def area(r):\n", "input_suffix": "\n", "prompt": "    return ", "n_predict": 12}
+    body |= {"temperature": 0.9, "seed": 7, "draft_mode": "off"}
+    both = post(server, "/infill", body | {"n_cmpl": 2}).json()
+    second = post(server, "/infill", body | {"seed": 8}).json()
+    assert [a["generation_settings"]["seed"] for a in both] == [7, 7]
+    assert both[1]["content"] == second["content"]
+
+
+def test_a_client_that_hangs_up_stops_its_answer(server):
+    body = {"prompt": "<|fim_prefix|>" + "import os\n" * 300 + "<|fim_suffix|>\n<|fim_middle|>", "n_predict": -1}
+    since = len(server.lines)
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/completion", body, timeout=1.0)
+    reply = post(server, "/infill", {"input_prefix": "x = ", "input_suffix": "\n", "n_predict": 4})
+    assert reply.status_code == 200
+    hung_up = logged(server, since, r"answered: .* finish cancelled")
+    assert int(re.search(r"answered: (\d+)\+", hung_up).group(1)) > 800  # this request's, cut short
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/infill", {"input_suffix": ""}, "input_prefix"),
+        ("/infill", {"input_prefix": "", "input_suffix": "", "n_cmpl": 7}, "n_cmpl"),
+        ("/infill", {"input_prefix": "", "input_suffix": "", "samplers": ["mirostat"]}, "samplers"),
+        ("/completion", {"prompt": ""}, "prompt"),
+        ("/completion", {"prompt": "x", "n_predict": -2}, "n_predict"),
+        ("/v1/completions", {"prompt": "x", "suffix": 3}, "suffix"),
+    ],
+)
+def test_bad_editor_requests_get_llama_server_errors(server, path, body, param):
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
