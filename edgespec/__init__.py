@@ -28,6 +28,7 @@ _MODULES = {
     "pull_models": "loader",
     "Model": "model",
     "DraftMode": "modes",
+    "Gamma": "modes",
     "Source": "modes",
     "Request": "request",
     "SamplingParams": "sampling",

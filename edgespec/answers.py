@@ -147,13 +147,7 @@ class Answer:
         return Piece("".join(text), calls, self.stats, True)
 
     def _split(self, text: str, *, last: bool) -> tuple[str, list[ToolCall]]:
-        if self.parser is None:
-            return text, []
-        shown, calls = self.parser.feed(text)
-        if last:
-            rest, more = self.parser.finish()
-            shown, calls = shown + rest, calls + more
-        return shown, calls
+        return self.parser.split(text, last=last) if self.parser is not None else (text, [])
 
 
 class Dialect:

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator
 from starlette.responses import JSONResponse
 
 from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, refused, sse
-from .request import MAX_STOP, Request, RequestError, answer_limit, json_field, sampling_of, speculation_of
+from .api_body import answer_limit, json_field, sampling_of, speculation_of
+from .request import Request, RequestError, stop_strings
 from .stats import Stats
 from .tools import ToolCall
 
@@ -45,14 +46,11 @@ def request_of(body: dict, *, counting: bool = False) -> Request:
         max_tokens = answer_limit(body, "max_tokens")
         if max_tokens is None:
             raise RequestError("'max_tokens' is required (the Messages API asks for it)", "max_tokens")
-    stop = body.get("stop_sequences") or []
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
-        raise RequestError(f"'stop_sequences' must be a list of at most {MAX_STOP} strings", "stop_sequences")
     return Request(
         messages,
         sampling_of(body),
         max_tokens=max_tokens,
-        stop=stop,
+        stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
         json_schema=_schema(body),
         **_tools(body),
         **speculation_of(body),

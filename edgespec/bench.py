@@ -93,9 +93,9 @@ def run_bench(
         modes.append("llama")
     fixed_gamma = gamma or FIXED_GAMMA
     start = perf_counter()
-    verify_curve = engine.cost_curve(engine.target)  # calibrates now if this machine has no cached curve
-    draft_model = getattr(engine.drafter, "model", None)
-    draft_curve = engine.cost_curve(draft_model, calibration.DRAFT_SIZES) if draft_model else None
+    verify_curve = engine.costs.curve(engine.target)  # calibrates now if this machine has no cached curve
+    draft_model = engine.draft_model
+    draft_curve = engine.costs.curve(draft_model, calibration.DRAFT_SIZES) if draft_model else None
     calibration_s = perf_counter() - start
     raw = engine.target.chat_template() is None  # a base model: the prompts as plain text
     engine.generate(Request("Hello", GREEDY, max_tokens=8, raw=raw))  # warm-up: first decodes are slow
@@ -180,8 +180,8 @@ def _rollback(engine: Engine, unit: calibration.CostCurve) -> dict:
     """How each model's cache is cut back, and on a recurrent model what a checkpoint and a
     restore cost here, in target steps (after a rejection the kept tokens are evaluated again too)."""
     report = {"kind": engine.target.rollback.value, "snapshots": engine.target.n_snapshots}
-    for role, model in (("target", engine.target), ("draft", getattr(engine.drafter, "model", None))):
-        if model is not None and (cost := engine.rollback_cost(model)) is not None:
+    for role, model in (("target", engine.target), ("draft", engine.draft_model)):
+        if model is not None and (cost := engine.costs.rollback(model)) is not None:
             steps = {"checkpoint": cost.checkpoint_s / unit(1), "restore": cost.restore_s / unit(1)}
             report[f"{role}_steps"] = steps
     return report

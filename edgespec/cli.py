@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .errors import EdgespecError
-from .modes import MODES, DraftMode, check_mode
+from .modes import MODES, DraftMode, Gamma, check_mode
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB
 from .request import Request
 from .sampling import DEFAULT, SamplingParams
@@ -44,6 +44,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _gamma(text: str) -> int | str:
+    """--gamma's syntax (its value is checked with the other flags: one line, not argparse's usage)."""
     if text == "auto":
         return text
     try:
@@ -52,21 +53,37 @@ def _gamma(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
-def _request(args: argparse.Namespace, prompt: str = "", **reading) -> Request:
-    """The request the arguments describe (checked as any request is), so that a typo fails
-    before any model is loaded and costs no load time. reading: what was read from files."""
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags that can be checked before any model is loaded (or the chat app started), so
+    that a typo costs no load time."""
     check_mode(args.draft_mode, has_model=args.target is None or args.draft is not None)
+    if args.gamma is not None:
+        args.gamma = Gamma.of(args.gamma)  # typed here, once, for every command
+    _max_tokens(args)
+    _sampling(args)
+
+
+def _max_tokens(args: argparse.Namespace) -> int | None:
     if (limit := getattr(args, "max_tokens", None)) is not None and limit < 1:
         raise EdgespecError(f"max-tokens must be >= 1, got {limit}")
+    return limit
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
     names = ("temperature", "top_k", "top_p", "min_p", "seed")
-    sampling = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    return SamplingParams(**{k: getattr(args, k) for k in names if getattr(args, k, None) is not None})
+
+
+def _request(args: argparse.Namespace, prompt: str, **reading) -> Request:
+    """The request the arguments describe (checked as any request is), before any model is
+    loaded. reading: what was read from files."""
     return Request(
         prompt,
-        SamplingParams(**sampling),
-        max_tokens=getattr(args, "max_tokens", None),
-        stop=getattr(args, "stop", ()),
-        raw=getattr(args, "raw", False),
-        draft_mode=DraftMode.OFF if getattr(args, "no_draft", False) else None,  # else the engine's (--draft-mode)
+        _sampling(args),
+        max_tokens=_max_tokens(args),
+        stop=args.stop,
+        raw=args.raw,
+        draft_mode=DraftMode.OFF if args.no_draft else None,  # else the engine's (--draft-mode)
         gamma=args.gamma,
         **reading,
     )
@@ -91,6 +108,7 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    _check_flags(args)
     request = _request(
         args,
         args.prompt,
@@ -165,7 +183,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from tui.app import run
 
-    _request(args)
+    _check_flags(args)
     run(
         pair=args.pair,
         target=args.target,
@@ -185,7 +203,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    _request(args)
+    _check_flags(args)
     if args.repeats < 1:
         raise EdgespecError(f"repeats must be >= 1, got {args.repeats}")
     modes = args.modes.split(",") if args.modes else bench.MODES
@@ -196,7 +214,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             engine,
             repeats=args.repeats,
             max_tokens=args.max_tokens,
-            gamma=args.gamma if isinstance(args.gamma, int) else None,
+            gamma=args.gamma.fixed if args.gamma else None,
             progress=not args.json,
             llama_baseline=args.llama_baseline,
             modes=modes,
@@ -213,7 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .registry import load_registry
     from .server import Api, Worker, listen, serve
 
-    _request(args)
+    _check_flags(args)
     sock = listen(args.host, args.port)  # before loading: a port in use costs no load time
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     worker = Worker(lambda: _load(args))  # the engine lives on the worker's thread

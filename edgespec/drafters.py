@@ -1,8 +1,9 @@
 """Drafters: each proposes the next few tokens; the engine verifies them.
 
 Like llama.cpp's common/speculative.cpp, making a draft is split from verifying
-it: the engine does not care where a draft came from, only that q (if given)
-is the distribution each token was drawn from.
+it: a drafter begins with the prompt, drafts before a round and accepts what the
+round kept; the engine does not care where a draft came from, only that q (if
+given) is the distribution each token was drawn from.
 """
 
 from __future__ import annotations
@@ -46,8 +47,12 @@ class Draft:
 
 
 class Drafter(Protocol):
-    def prefill(self, context: list[int]) -> None:
-        """Optionally get ready for drafts after `context` (timed as prefill)."""
+    """begin(prompt), then per round draft(...) and accept(context)."""
+
+    model: Model | None  # the model it runs (None: a free drafter, which costs nothing to run)
+
+    def begin(self, prompt: list[int]) -> None:
+        """Get ready to draft after the request's prompt (timed as prefill)."""
 
     def draft(
         self,
@@ -65,6 +70,9 @@ class Drafter(Protocol):
         clone it to walk ahead); a drafter that samples masks its q with it, so that
         min(1, p_g/q_g) stays exact."""
 
+    def accept(self, context: list[int]) -> None:
+        """A round is over: `context` is the sequence now (the drafts the target kept, and its token)."""
+
 
 class ModelDrafter:
     """Drafts with a small model sharing the target's tokenizer."""
@@ -73,16 +81,18 @@ class ModelDrafter:
         self.model = model
         self.target_vocab = target_vocab  # q rows are padded to the target's vocabulary size
 
-    def prefill(self, context: list[int]) -> None:
-        kept = self.model.sync(context)
-        self.model.eval(context[kept:-1])
+    def begin(self, prompt: list[int]) -> None:
+        kept = self.model.sync(prompt)
+        self.model.eval(prompt[kept:-1])
+
+    def accept(self, context: list[int]) -> None:
+        """Drop the rejected drafts from the cache (the tokens the target added are read at the next draft)."""
+        self.model.sync(context)
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None) -> Draft:
         model = self.model
         walk = grammar.clone() if grammar is not None else None  # the grammar along this draft
-        # the cache may hold rejected drafts from the last round: keep only the agreed prefix
-        kept = model.sync(context)
-        logits = model.eval(context[kept:])
+        logits = model.eval(context[len(model.tokens) :])  # the tokens written since its last draft
         model.checkpoint()  # a recurrent state: the next round's sync comes back here
         tokens: list[int] = []
         q_rows = None if params.greedy else np.zeros((n, self.target_vocab))  # padded to the target's vocab
@@ -234,9 +244,11 @@ class CopyDrafter:
     place of a source span becomes a substitution applied to later drafts (the source
     says `items`, the target wrote `records`: later drafts say `records`), dropped if the
     target disagrees. Drafts are deterministic: point masses. The pointer moves only in
-    prefill() and follow(); draft() reads it.
+    begin() and accept(); draft() reads it.
 
     `evidence` (tokens agreed since the pointer was set) tells the controller how far to trust a draft."""
+
+    model = None  # free: it runs no model
 
     def __init__(
         self,
@@ -269,9 +281,9 @@ class CopyDrafter:
         self.prediction_pos = 0  # how far into the prediction the target has followed
 
     # --- the Drafter protocol ---------------------------------------------------
-    def prefill(self, context: list[int]) -> None:
+    def begin(self, prompt: list[int]) -> None:
         """The request's prompt: the answer starts at the beginning of the prediction, if any."""
-        self._follow(context)
+        self._follow(prompt)
         self._reset_alignment()
         self._outcomes.clear()
         if self.sources[PREDICTION]:  # the client says the answer will largely repeat it
@@ -279,13 +291,16 @@ class CopyDrafter:
         else:
             self._anchor()
 
-    def follow(self, context: list[int]) -> list[CopyOutcome]:
+    def accept(self, context: list[int]) -> None:
         """Take in the tokens the context gained, moving the pointer along (and anchoring it
-        again where it was lost); what the copy expected of each of them, against what the
-        target wrote: the copy's acceptance rate, measured free."""
+        again where it was lost)."""
         self._follow(context)
         if self.ptr is None:
             self._anchor()
+
+    def outcomes(self) -> list[CopyOutcome]:
+        """What the copy expected of each token the context gained since the last call, against
+        what the target wrote: the copy's acceptance rate, measured free."""
         outcomes, self._outcomes = self._outcomes, []
         return outcomes
 
@@ -443,12 +458,17 @@ class GrammarDrafter:
     (no model runs); the target still verifies them, since it may split the text into
     other tokens than the tokenizer does alone."""
 
+    model = None  # free: it runs no model
+
     def __init__(self, vocab: Model, max_chars: int = MAX_FORCED_CHARS) -> None:
         self.vocab = vocab
         self.max_chars = max_chars
 
-    def prefill(self, context: list[int]) -> None:
+    def begin(self, prompt: list[int]) -> None:
         pass
+
+    def accept(self, context: list[int]) -> None:
+        pass  # the grammar's state is the run's: it moves with the answer
 
     def draft(self, context, n, params=None, rng=None, stop_below=(), grammar=None) -> Draft:
         if grammar is None or not (text := grammar.forced_text(self.max_chars)):

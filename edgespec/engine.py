@@ -5,34 +5,23 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from time import perf_counter
 
 from . import calibration
 from .chat import PromptTooLong, render
-from .controller import Controller
-from .cost_curve import RollbackCost
+from .controller import Controller, Drafters
+from .costs import MachineCosts
 from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter
 from .errors import EdgespecError, PromptExceedsContext
 from .fim import FimTokens, Infill, layout
 from .grammar import Grammar, grammar_text
 from .model import Model
-from .modes import DraftMode, check_mode, draft_modes
+from .modes import DraftMode, Gamma, adaptive, check_mode, draft_modes
 from .request import Prompt, Request
 from .run import Event, Run
 from .stats import Stats
 from .tools import ToolCall, call_grammar, prepare
 
-RECHECK_SHARE = 0.05  # at most this share of an engine's time goes to timing costs again
 MAX_CHARS_PER_TOKEN = 256  # longer than any token of the tokenizers we know (Qwen2.5's longest: 128 bytes)
-
-
-class Recheck(Enum):
-    """The cost re-check an engine has due (Engine.upkeep runs it)."""
-
-    NONE = 0
-    DUE = 1  # the points measured long ago, within the time budget (RECHECK_SHARE)
-    ALL = 2  # every point: the last answer's rounds ran far faster than the curves say (timed on a busy machine)
 
 
 @dataclass
@@ -60,62 +49,40 @@ class Engine:
         target: Model,
         drafter: Drafter | None = None,
         *,
-        gamma: int | None = None,
-        draft_mode: str = "auto",
+        gamma: Gamma | int | str | None = None,
+        draft_mode: DraftMode | str = DraftMode.AUTO,
         owned: Sequence[Model] | None = None,
         timer: calibration.Timer = calibration.TIMER,
     ) -> None:
         """target: the model whose output distribution is produced. drafter: the draft
-        model's drafter (or any object with prefill/draft); the copy drafter (prompt
-        lookup, predicted outputs) is always there. gamma None and draft_mode "auto"
-        let the controller choose per round (the defaults of requests that leave them unset).
-        owned: the models close() frees (default: the target). timer: what times the
-        models' passes for the cost curves (calibration.Timer)."""
+        model's drafter (or any drafters.Drafter); the copy drafter (prompt lookup, predicted
+        outputs) is always there. gamma (None or "auto") and draft_mode "auto" let the controller
+        choose per round (the defaults of requests that leave them unset). owned: the models close() frees
+        (default: the target). timer: what times the models' passes for the cost curves
+        (calibration.Timer)."""
         self.draft_mode = check_mode(draft_mode, has_model=drafter is not None)
+        self.gamma = Gamma.of(gamma) if gamma is not None else Gamma()
         self.target = target
         self.drafter = drafter
-        self.gamma = gamma
         self.forced = GrammarDrafter(target)
         self.conversation = Conversation()  # the copy drafters' index of the conversation, kept between requests
         self._owned = [target] if owned is None else list(owned)
-        self.timer = timer
-        self._costs: dict[tuple, calibration.CostCurve] = {}
-        self._rollback_costs: dict[Model, RollbackCost | None] = {}
-        # seconds of answering since the last cost re-check, less what re-checks cost / RECHECK_SHARE:
-        # many short answers must not each pay for one
-        self._recheck_credit = 0.0
-        self.recheck = Recheck.NONE  # the cost re-check due, for upkeep()
+        self.costs = MachineCosts(timer)
+
+    @property
+    def draft_model(self) -> Model | None:
+        """The draft model, if the drafter runs one."""
+        return self.drafter.model if self.drafter is not None else None
 
     def upkeep(self) -> None:
-        """Time again the costs the last answers found stale (see calibration.recheck), if any:
-        for when the engine is idle (an EngineThread calls it then; the command line after its answer)."""
-        curves = [(model, curve) for (model, _), curve in self._costs.items()]
-        recheck, self.recheck = self.recheck, Recheck.NONE
-        if recheck is Recheck.ALL:
-            for _, curve in curves:
-                curve.mark_stale()
-            calibration.recheck(curves, every=True, timer=self.timer)
-        elif recheck is Recheck.DUE:
-            start = perf_counter()
-            calibration.recheck(curves, timer=self.timer)
-            self._recheck_credit -= (perf_counter() - start) / RECHECK_SHARE
+        """Time again the costs the last answers found stale, if any: for when the engine is idle
+        (an EngineThread calls it then; the command line after its answer)."""
+        self.costs.upkeep()
 
     @property
     def draft_modes(self) -> tuple[DraftMode, ...]:
         """The draft modes this engine can speculate with (model and hybrid need a draft model)."""
         return draft_modes(has_model=self.drafter is not None)
-
-    def cost_curve(self, model: Model, sizes=calibration.TARGET_SIZES) -> calibration.CostCurve:
-        """V(k) of `model` on this machine: cached, else measured now (once)."""
-        if (model, sizes) not in self._costs:
-            self._costs[model, sizes] = calibration.load_or_measure(model, sizes, self.timer)
-        return self._costs[model, sizes]
-
-    def rollback_cost(self, model: Model) -> RollbackCost | None:
-        """What cutting `model`'s recurrent state back costs here (None: attention alone): cached, else measured now."""
-        if model not in self._rollback_costs:
-            self._rollback_costs[model] = calibration.load_or_measure_rollback(model)
-        return self._rollback_costs[model]
 
     # --- public API -------------------------------------------------------
     def stream(self, request: Request | Prompt, **options) -> Iterator[Event]:
@@ -130,6 +97,7 @@ class Engine:
         compiled). cancelled: set it from another thread to stop the run at its next prefill chunk or
         round (a server's client gone)."""
         request = _request(request, options).settled(self.draft_mode, self.gamma)
+        check_mode(request.draft_mode, has_model=self.drafter is not None)
         tokens = self.prompt_tokens(request)
         gbnf = grammar_text(request.grammar, request.json_schema)
         if request.calls_tools and request.tool_choice.call_schema is not None:  # a call is forced: its grammar
@@ -150,9 +118,8 @@ class Engine:
         parser = run.request.call_parser()
         if parser is None:
             return Generation("".join(text), tokens, event.stats)
-        head, _ = parser.feed("".join(text))
-        tail, _ = parser.finish()
-        return Generation(head + tail, tokens, event.stats, parser.calls)
+        shown, calls = parser.split("".join(text), last=True)
+        return Generation(shown, tokens, event.stats, calls)
 
     def chat(self, messages: Sequence[dict], **options) -> Generation:
         """Answer the last message of a conversation. Pass the whole conversation
@@ -230,37 +197,23 @@ class Engine:
         return PromptExceedsContext(size, self.target.n_ctx)
 
     def _controller(self, request: Request, copy: CopyDrafter) -> Controller:
-        mode, gamma = request.draft_mode, request.fixed_gamma
-        adaptive = mode != DraftMode.OFF and (mode == DraftMode.AUTO or gamma is None)
-        draft_model = getattr(self.drafter, "model", None)
-        verify_cost = self.cost_curve(self.target) if adaptive else None
-        draft_cost = self.cost_curve(draft_model, calibration.DRAFT_SIZES) if adaptive and draft_model else None
-        rollbacks = [self.rollback_cost(m) if adaptive and m else None for m in (self.target, draft_model)]
-        return Controller(mode, gamma, verify_cost, draft_cost, self.drafter, copy, self.forced, *rollbacks)
+        planned = adaptive(request.draft_mode, request.gamma)  # else nothing is planned: no costs needed
+        costs = self.costs.of_request(self.target, self.draft_model) if planned else None
+        drafters = Drafters(copy, self.drafter, self.forced)
+        return Controller(request.draft_mode, request.gamma, costs, drafters)
 
     def events(self, run: Run) -> Iterator[Event]:
         """The events of a started Run (what stream() gives): a caller that must know the
         request is good before its prefill (the server) starts it, then takes its events."""
         for event in run.events():
             if event.done:  # before the last event goes out: an engine thread re-checks once the answer is in
-                self._schedule_recheck(run)
+                self.costs.answered(run.stats.prefill_s + run.stats.decode_s, run.controller.costs)
             yield event
-
-    def _schedule_recheck(self, run: Run) -> None:
-        self._recheck_credit += run.stats.prefill_s + run.stats.decode_s
-        if run.controller.V is None:
-            return
-        # timed on a busy machine: all of it again, whatever the budget (once: then it is right);
-        # else what was measured long ago, within the budget (a due re-check never undoes one of all)
-        if run.controller.costs_look_stale():
-            self.recheck = Recheck.ALL
-        elif self._recheck_credit >= 0 and self.recheck is Recheck.NONE:
-            self.recheck = Recheck.DUE
 
     @property
     def models(self) -> list[Model]:
         """The target, and the draft model if there is one."""
-        return [m for m in (self.target, getattr(self.drafter, "model", None)) if m is not None]
+        return [m for m in (self.target, self.draft_model) if m is not None]
 
     def forget(self) -> None:
         """Empty the KV caches and the saved prompts: the next prompt is evaluated from
@@ -283,9 +236,7 @@ class Engine:
 
     def close(self) -> None:
         """Keep what real rounds taught about costs, then free llama.cpp's memory."""
-        for (model, sizes), curve in self._costs.items():
-            calibration.save(model, sizes, curve)
-        self._costs.clear()
+        self.costs.save()
         for model in self._owned:
             model.close()
 

@@ -18,7 +18,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .engine import Engine, Recheck
+from .costs import Recheck
+from .engine import Engine
 
 
 class EngineThread:
@@ -53,7 +54,7 @@ class EngineThread:
     def _run(self) -> None:
         while True:
             engine = self.engine
-            if engine is not None and engine.recheck is not Recheck.NONE and self._jobs.empty():
+            if engine is not None and engine.costs.recheck is not Recheck.NONE and self._jobs.empty():
                 engine.upkeep()  # idle: the engine's upkeep
                 continue
             job = self._jobs.get()

@@ -24,17 +24,9 @@ from dataclasses import replace
 from starlette.responses import JSONResponse
 
 from .answers import Answer, ApiError, Dialect, Job, Piece, refused, sse
+from .api_body import completion_prompt, constraint_of, json_field, sampling_of, speculation_of
 from .fim import Chunk, Infill
-from .request import (
-    MAX_STOP,
-    Request,
-    RequestError,
-    completion_prompt,
-    constraint_of,
-    json_field,
-    sampling_of,
-    speculation_of,
-)
+from .request import Request, RequestError
 from .stats import Stats
 
 MAX_ANSWERS = 4  # n_cmpl at most (llama-server's: its parallel slots, 4 by default)
@@ -63,10 +55,6 @@ def request_of(body: dict, *, infill: bool) -> Request:
     n_predict = json_field(body, "n_predict" if "n_predict" in body else "max_tokens", (int,), -1)
     if n_predict < -1:
         raise RequestError("'n_predict' must be -1 (no limit), 0 (read the prompt only) or more", "n_predict")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
-        raise RequestError(f"'stop' must be a list of at most {MAX_STOP} strings", "stop")
     indent = json_field(body, "n_indent", (int,), 0)
     if indent < 0:
         raise RequestError("'n_indent' must be >= 0", "n_indent")
@@ -76,7 +64,7 @@ def request_of(body: dict, *, infill: bool) -> Request:
         _infill(body) if infill else completion_prompt(body),
         _sampling(body),
         max_tokens=None if n_predict == -1 else n_predict,
-        stop=stop,
+        stop=body.get("stop") or (),
         min_indent=indent,
         line_deadline_s=deadline_ms / 1000 if deadline_ms > 0 else None,
         raw=not infill,

@@ -12,7 +12,7 @@ from .drafters import ModelDrafter
 from .engine import Engine
 from .errors import EdgespecError
 from .model import KV_MEMORY_SHARE, MAX_SNAPSHOTS, Model, check_gguf, compatibility_problem, header_chat_template
-from .modes import AUTO, check_gamma, check_mode
+from .modes import DraftMode, Gamma, check_mode
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .registry import cached_path, load_registry, pull, verify_cached
 
@@ -74,8 +74,8 @@ def load(
     *,
     target: str | os.PathLike | None = None,
     draft: str | os.PathLike | None = None,
-    gamma: int | str | None = None,
-    draft_mode: str = "auto",
+    gamma: Gamma | int | str | None = None,
+    draft_mode: DraftMode | str = DraftMode.AUTO,
     n_ctx: int | None = None,
     n_threads: int | None = None,
     n_gpu_layers: int = 0,
@@ -88,8 +88,8 @@ def load(
 
     pair: a pair name from models.toml (default: its default_pair) — or give
     target (and draft) as registry names or .gguf paths; without a draft model
-    only the free copy drafter is there. gamma (an int, or "auto") and
-    draft_mode (auto, model, copy, hybrid, off) are the engine's defaults;
+    only the free copy drafter is there. gamma (an int, or "auto"; None: the pair's, else auto)
+    and draft_mode (auto, model, copy, hybrid, off) are the engine's defaults;
     auto measures this machine's costs at first use and chooses per round.
     n_ctx: the context in tokens; None: the target's trained context, capped so that both
     KV caches take at most a quarter of this machine's memory (the draft gets the same size).
@@ -101,7 +101,7 @@ def load(
     one fails at once (the command line does, for chat prompts); otherwise it fails per request
     and raw text still works.
     Raises EdgespecError with a one-sentence reason for bad input."""
-    check_gamma(gamma)
+    gamma = Gamma.of(gamma) if gamma is not None else None
     if pair is not None and target is not None:
         raise EdgespecError("give either a pair or a target (and draft), not both")
     if target is None:
@@ -110,8 +110,9 @@ def load(
         registry = load_registry()
         entry = registry.pair(pair or registry.default_pair)
         target, draft = entry.target, entry.draft
-        gamma = gamma or entry.settings.get("gamma")
-    check_mode(draft_mode, has_model=draft is not None)
+        if gamma is None and "gamma" in entry.settings:
+            gamma = Gamma.of(entry.settings["gamma"])
+    draft_mode = check_mode(draft_mode, has_model=draft is not None)
 
     paths = [resolve_model(m, offline=offline, progress=progress) for m in (target, draft) if m is not None]
     if check_template and (template := header_chat_template(paths[0])) is not None:  # what fails cheaply fails first
@@ -148,5 +149,4 @@ def load(
         for model in models:
             model.close()
         raise
-    gamma = None if gamma in (None, AUTO) else gamma
-    return Engine(models[0], drafter, gamma=gamma, draft_mode=draft_mode, owned=models)
+    return Engine(models[0], drafter, gamma=gamma or Gamma(), draft_mode=draft_mode, owned=models)

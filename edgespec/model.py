@@ -422,11 +422,15 @@ class Model:
         the last token, whose logits the caller needs from a fresh eval; with a prompt cache, a
         saved state that shares more of `tokens` is brought back (and the one that would be cut,
         kept). Returns how many tokens were kept: the caller evaluates the rest."""
-        n = common_prefix(self.tokens, tokens, len(tokens) - 1)  # called every round: compared in C
+        n = self.shares(tokens)
         # a prompt of another conversation (a round discards fewer): keep what would be lost, bring back a better one
         if self.prompt_cache is not None and max(len(tokens) - 1, len(self.tokens)) - n >= MIN_TOKENS:
             n = self.prompt_cache.swap(self, tokens, n)
         return self._cut(n)
+
+    def shares(self, tokens: list[int]) -> int:
+        """How many of `tokens` (all but the last) the cache holds already."""
+        return common_prefix(self.tokens, tokens, len(tokens) - 1)  # called every round: compared in C
 
     def save_state(self):
         """The cache's contents (sequence 0) as llama.cpp serializes them, or None."""

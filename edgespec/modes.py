@@ -5,6 +5,7 @@ Pure Python: the shells check their settings against these before any model is l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 from .errors import EdgespecError
@@ -81,12 +82,33 @@ def draft_modes(*, has_model: bool) -> tuple[DraftMode, ...]:
     return tuple(m for m in DraftMode if m is not DraftMode.OFF and (has_model or not m.needs_model))
 
 
-def check_gamma(gamma: int | str | None) -> int | str | None:
-    """A draft length: an integer >= 1, "auto" (chosen per round) or None (the default)."""
-    if gamma is None or gamma == AUTO:
-        return gamma
-    if isinstance(gamma, bool) or not isinstance(gamma, int):
-        raise EdgespecError(f'gamma must be an integer or "auto", got {gamma!r}')
-    if gamma < 1:
-        raise EdgespecError(f"gamma must be >= 1, got {gamma}; use --no-draft to switch speculation off")
-    return gamma
+@dataclass(frozen=True)
+class Gamma:
+    """A draft length: `fixed` tokens every round, or (None) chosen per round ("auto")."""
+
+    fixed: int | None = None
+
+    @classmethod
+    def of(cls, value: Gamma | int | str) -> Gamma:
+        """A draft length from an integer >= 1 or "auto" (an EdgespecError naming what is wrong)."""
+        if isinstance(value, Gamma) or value == AUTO:
+            return value if isinstance(value, Gamma) else cls()
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise EdgespecError(f'gamma must be an integer or "auto", got {value!r}')
+        if value < 1:
+            raise EdgespecError(f"gamma must be >= 1, got {value}; use --no-draft to switch speculation off")
+        return cls(value)
+
+    @property
+    def value(self) -> int | str:
+        """As JSON and the shells show it: the number, or "auto"."""
+        return AUTO if self.fixed is None else self.fixed
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+def adaptive(mode: DraftMode, gamma: Gamma) -> bool:
+    """Whether rounds are planned by cost (what the drafter or the draft length is left to
+    choose), rather than drafting exactly as told."""
+    return mode is not DraftMode.OFF and (mode is DraftMode.AUTO or gamma.fixed is None)

@@ -1,12 +1,14 @@
 """OpenAI's chat completions and completions (/v1/chat/completions, /v1/completions): the
-request is Request.from_openai; the answer a chat.completion(.chunk) or text_completion."""
+request body as a Request (request_of), the answer a chat.completion(.chunk) or text_completion."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
 from .answers import Answer, Dialect, Job, refused, sse
-from .request import Request, RequestError, json_field
+from .api_body import answer_limit, completion_prompt, constraint_of, json_field, sampling_of, speculation_of, text_of
+from .fim import Infill
+from .request import Request, RequestError
 from .stats import Stats
 from .tools import ToolCall
 
@@ -18,6 +20,63 @@ FINISH_REASONS = {
     "length": "length",
     "context": "length",
 }
+
+
+def request_of(body: dict, *, chat: bool) -> Request:
+    """The request in an OpenAI request body (/v1/chat/completions, or /v1/completions with
+    chat=False, where a `suffix` makes it a fill-in-the-middle), with llama-server's extensions
+    (top_k, min_p, grammar, json_schema) and ours (draft_mode, gamma); RequestError naming the
+    first field that is wrong."""
+    prompt = _chat_messages(body) if chat else completion_prompt(body)
+    if not chat and (suffix := json_field(body, "suffix", (str,))):  # Tabby's fill-in-the-middle
+        prompt = Infill.at_cursor(prompt, suffix)
+    if json_field(body, "n", (int,), 1) != 1:
+        raise RequestError("only n=1 is supported: one answer per request", "n")
+    for unsupported in ("logprobs", "functions", "echo"):
+        if body.get(unsupported) not in (None, False, [], 0, ""):
+            raise RequestError(f"'{unsupported}' is not supported by edgespec", unsupported)
+    calls = {}
+    if body.get("tools"):
+        calls = {"tools": body["tools"], "tool_choice": body.get("tool_choice")}
+        calls["parallel_tool_calls"] = json_field(body, "parallel_tool_calls", (bool,), True)
+    prediction = body.get("prediction")
+    if prediction is not None:
+        if not isinstance(prediction, dict) or prediction.get("type") != "content":
+            raise RequestError('\'prediction\' must be {"type": "content", "content": ...}', "prediction")
+        prediction = text_of(prediction.get("content"), "prediction.content")
+    json_schema, grammar = constraint_of(body)
+    return Request(
+        prompt,
+        sampling_of(body),
+        max_tokens=answer_limit(body, "max_completion_tokens", "max_tokens"),
+        stop=body.get("stop") or (),
+        raw=not chat,
+        prediction=prediction,
+        grammar=grammar,
+        json_schema=json_schema,
+        **calls,
+        **speculation_of(body),
+    )
+
+
+def _chat_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", "messages")
+    chat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+        message = {"role": m["role"], "content": text_of(m.get("content"), f"messages[{i}].content")}
+        if m.get("tool_calls"):  # an assistant's earlier calls
+            calls = m["tool_calls"]
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                raise RequestError(f"messages[{i}].tool_calls must be a list of calls", f"messages[{i}].tool_calls")
+            message["tool_calls"] = calls
+        if isinstance(m.get("tool_call_id"), str):  # a tool's result
+            message["tool_call_id"] = m["tool_call_id"]
+        chat.append(message)
+    return chat
 
 
 def usage(stats: Stats, predicted: bool) -> dict:
@@ -44,7 +103,7 @@ class OpenAIChat(Dialect):
 
     def job(self, body: dict) -> Job:
         try:
-            request = Request.from_openai(body, chat=self.chat)
+            request = request_of(body, chat=self.chat)
             stream = json_field(body, "stream", (bool,), False)
             options = body.get("stream_options") or {}
             if not isinstance(options, dict):

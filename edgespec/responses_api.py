@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from .answers import Answer, ApiError, Dialect, Job, log, refused, sse
-from .request import Request, RequestError, answer_limit, json_field, sampling_of, speculation_of
+from .api_body import answer_limit, json_field, sampling_of, speculation_of, text_of
+from .request import Request, RequestError
 from .stats import Stats
 from .tools import ToolCall
 
@@ -46,7 +47,7 @@ def messages_of(body: dict, previous: list[dict]) -> list[dict]:
             role = {"developer": "system"}.get(item.get("role"), item.get("role"))
             if role not in ("user", "system", "assistant"):
                 raise RequestError(f"{where}.role must be user, developer, system or assistant", where)
-            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            out.append({"role": role, "content": text_of(item.get("content"), f"{where}.content", TEXT_PARTS)})
         elif kind in ("function_call", "custom_tool_call"):
             arguments = item.get("arguments") if kind == "function_call" else json.dumps({"input": item.get("input")})
             if not isinstance(item.get("name"), str) or not isinstance(arguments, str):
@@ -58,21 +59,11 @@ def messages_of(body: dict, previous: list[dict]) -> list[dict]:
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            output = _text(item.get("output"), f"{where}.output")
+            output = text_of(item.get("output"), f"{where}.output", TEXT_PARTS)
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id")), "content": output})
         elif kind not in SKIPPED_ITEMS:
             raise RequestError(f"{where}: items of type '{kind}' are not supported by edgespec", where)
     return out
-
-
-def _text(content, param: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if other := next((p.get("type") for p in content if p.get("type") not in TEXT_PARTS), None):
-            raise RequestError(f"'{param}': '{other}' parts are not supported; edgespec reads text only", param)
-        return "".join(str(p.get("text", p.get("refusal", ""))) for p in content)
-    raise RequestError(f"'{param}' must be a string or a list of text parts", param)
 
 
 def _leading_system(messages: list[dict]) -> list[dict]:

@@ -16,7 +16,7 @@ import numpy as np
 from .controller import Controller
 from .grammar import Grammar
 from .model import ContextFull, Model
-from .modes import AUTO, DraftMode
+from .modes import DraftMode
 from .request import Request
 from .sampling import (
     SamplingParams,
@@ -73,19 +73,17 @@ class Run:
         self.seed = secrets.randbits(63) if self.params.seed is None else self.params.seed
         self.rng = np.random.default_rng([self.seed, 1 << 62])
         self.stats = Stats(
-            mode="target-only" if controller.mode is DraftMode.OFF else "speculative",
-            gamma=AUTO if controller.gamma is None else controller.gamma,
-            draft_mode=controller.mode,
+            mode="target-only" if request.draft_mode is DraftMode.OFF else "speculative",
+            gamma=request.gamma.value,
+            draft_mode=request.draft_mode,
             n_prompt=len(prompt),
             flash_attn=target.flash_attn,
             repack=target.repack,
             rollback=target.rollback.value,
         )
-        if controller.V is not None:
-            self.stats.baseline_tokens_per_s = 1.0 / controller.plain_step()
-            if (rollback := controller.verify_rollback) is not None:
-                self.stats.checkpoint_steps = rollback.checkpoint_s / controller.V(1)
-                self.stats.restore_steps = rollback.restore_s / controller.V(1)
+        if (costs := controller.costs) is not None:
+            self.stats.baseline_tokens_per_s = 1.0 / costs.plain_step()
+            self.stats.checkpoint_steps, self.stats.restore_steps = costs.rollback_steps()
         self.text = TextStream(request.stops, request.min_indent)
 
     def events(self) -> Iterator[Event]:
@@ -113,7 +111,7 @@ class Run:
             target.eval(prompt[at : min(at + PREFILL_CHUNK, len(prompt) - 1)])
         if self._cancelled():
             return False
-        self.controller.prefill(prompt, room=min(target.n_ctx, self.limit - 1) - len(prompt))
+        self.controller.begin(prompt, room=min(target.n_ctx, self.limit - 1) - len(prompt))
         return True
 
     def _answer(self) -> Iterator[Event]:
@@ -193,18 +191,8 @@ class Run:
             target.truncate(len(seq) + n)
             seq += draft.tokens[:n] + [next_token]
             timing = RoundTiming(draft=t1 - t0, verify=t2 - t_pass, rollback=(t_pass - t1) + (perf_counter() - t2))
-            controller.observe(plan, draft, n, timing, seq)
-            plain_step = controller.plain_step() if controller.V is not None else 0.0
-            self.stats.record_round(
-                draft.source,
-                len(draft.tokens),
-                n,
-                timing,
-                perf_counter() - t0,
-                controller.alphas(),
-                controller.predicted.speedup,
-                plain_step,
-            )
+            report = controller.observe(plan, draft, n, timing, seq)
+            self.stats.record(report, perf_counter() - t0)
             yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]
 
 

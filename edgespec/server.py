@@ -52,7 +52,6 @@ class Worker:
 
     def __init__(self, load: Callable[[], Engine]) -> None:
         self.engine: Engine | None = None
-        self.current: Job | None = None
         self._unfinished: set[Job] = set()  # submitted, not yet answered: told to stop on stop()
         self.thread = EngineThread()
         self._loading = self.thread.submit(self._load, load)
@@ -88,14 +87,12 @@ class Worker:
             self.engine = self.thread.engine = None
 
     def _serve(self, job: Job) -> None:
-        self.current = job
         try:
             if job.cancelled.is_set():  # a client that left while queued costs nothing
                 job.send(None)
             else:
                 self._generate(job)
         finally:
-            self.current = None
             self._unfinished.discard(job)
 
     def _generate(self, job: Job) -> None:

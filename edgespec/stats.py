@@ -73,6 +73,20 @@ class RoundTiming:
         return self.draft + self.verify + self.rollback
 
 
+@dataclass(frozen=True)
+class RoundReport:
+    """One round as the controller saw it: what it drafted (from `source`) and kept, its times,
+    and the controller's view after it."""
+
+    source: Source
+    drafted: int
+    accepted: int
+    timing: RoundTiming
+    alpha_by_source: dict[str, float]  # the acceptance rate learnt per drafter (and copy evidence level)
+    predicted_speedup: float  # over the target alone, by the plans so far
+    plain_step_s: float  # what a round without a draft takes now (0: rounds not planned by cost)
+
+
 @dataclass
 class Stats:
     """Running statistics of one generation (updated in place while it streams)."""
@@ -180,38 +194,26 @@ class Stats:
         """Where the answer's tokens came from: each drafter's accepted drafts, and the target."""
         return dict(self.accepted_by_source) | {"target": self.n_tokens - self.accepted}
 
-    def record_round(
-        self,
-        source: str,
-        drafted: int,
-        accepted: int,
-        timing: RoundTiming,
-        seconds: float,
-        alpha_by_source: dict[str, float],
-        predicted_speedup: float,
-        plain_step_s: float,
-    ) -> None:
-        """One round of draft -> verify: what it drafted (from `source`) and kept, its
-        times (`seconds`: all of it), and the controller's view after it (plain_step_s: what
-        it expects a round without a draft to take now; 0 without a cost model)."""
-        source = str(source)  # (a Source: its plain name, as JSON and the shells show it)
+    def record(self, report: RoundReport, seconds: float) -> None:
+        """One round of draft -> verify; `seconds`: all of it (planning and learning included)."""
+        source = str(report.source)  # (its plain name, as JSON and the shells show it)
         self.rounds += 1
         self.rounds_s += seconds
         if source == Source.OFF:
             self.plain_s += seconds
-        self.baseline_tokens_per_s = 1.0 / plain_step_s if plain_step_s > 0 else 0.0
-        self.drafted += drafted
-        self.accepted += accepted
-        self.draft_s += timing.draft
-        self.verify_s += timing.verify
-        self.rollback_s += timing.rollback
+        self.baseline_tokens_per_s = 1.0 / report.plain_step_s if report.plain_step_s > 0 else 0.0
+        self.drafted += report.drafted
+        self.accepted += report.accepted
+        self.draft_s += report.timing.draft
+        self.verify_s += report.timing.verify
+        self.rollback_s += report.timing.rollback
         self.rounds_by_source[source] = self.rounds_by_source.get(source, 0) + 1
-        if drafted:
-            self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + drafted
-            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
-        self.alpha_by_source = alpha_by_source
-        self.last_source, self.last_gamma = source, drafted
-        self.predicted_speedup = predicted_speedup
+        if report.drafted:
+            self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + report.drafted
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + report.accepted
+        self.alpha_by_source = report.alpha_by_source
+        self.last_source, self.last_gamma = source, report.drafted
+        self.predicted_speedup = report.predicted_speedup
 
     def as_dict(self) -> dict:
         """The one JSON view of the statistics (the command line's --json, the server's

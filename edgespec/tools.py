@@ -216,6 +216,14 @@ class ToolCallParser:
                 shown.append(self._take(body, calls, closed=True))
         return "".join(shown), calls
 
+    def split(self, text: str, *, last: bool) -> tuple[str, list[ToolCall]]:
+        """feed(text), and at the answer's end (last) finish() too: (text to show, calls completed)."""
+        shown, calls = self.feed(text)
+        if last:
+            rest, more = self.finish()
+            shown, calls = shown + rest, calls + more
+        return shown, calls
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The end of the answer: what is left (an unclosed call is read as far as it goes)."""
         calls: list[ToolCall] = []

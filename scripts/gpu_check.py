@@ -119,8 +119,8 @@ def greedy_equality(engines: dict[str, Engine], max_tokens: int) -> list[dict]:
 
 def costs(engine: Engine) -> dict:
     """The calibrated curves, in seconds and in target steps."""
-    verify = engine.cost_curve(engine.target)
-    draft = engine.cost_curve(engine.drafter.model, calibration.DRAFT_SIZES)
+    verify = engine.costs.curve(engine.target)
+    draft = engine.costs.curve(engine.draft_model, calibration.DRAFT_SIZES)
     step = verify(1)
     ceiling, pass_size = verify.best_rate()
     return {
@@ -163,12 +163,12 @@ def python_share(engines: dict[str, Engine], max_tokens: int) -> list[dict]:
     (with the unrelated draft model: it drafts nothing), and of the draft model drafting 4
     tokens that are all accepted (the draft model is the target): the most Python a round has."""
     cases = (("off", "random-draft", AUTO), ("auto", "random-draft", AUTO), ("model", "draft-is-target", 4))
-    steps = {name: engine.cost_curve(engine.target)(1) for name, engine in engines.items()}  # (rounds move the curves)
+    steps = {name: engine.costs.curve(engine.target)(1) for name, engine in engines.items()}  # (rounds move the curves)
     rows = []
     for params, label in ((GREEDY, "greedy"), (SAMPLED, "sampled")):
         for mode, name, gamma in cases:
             engine = engines[name]
-            target, draft = PassClock(engine.target), PassClock(engine.drafter.model)
+            target, draft = PassClock(engine.target), PassClock(engine.draft_model)
             engine.forget()
             request = Request(PROMPTS[0], params, max_tokens=max_tokens, draft_mode=mode, gamma=gamma)
             engine.generate(replace(request, max_tokens=8))  # the prefill, not counted
@@ -223,7 +223,7 @@ def known_alpha_rows(engines: dict[str, Engine], max_tokens: int, repeats: int, 
 
         runs = run_modes(engine, list(modes), request_of, repeats, name[:10], log)
         row = mode_rows(name, runs)
-        speedup, pass_size = engine.cost_curve(engine.target).best_rate()
+        speedup, pass_size = engine.costs.curve(engine.target).best_rate()
         row["ceiling"] = {"speedup": round(speedup, 2), "pass_size": pass_size}
         rows.append(row)
     return rows

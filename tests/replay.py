@@ -19,12 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec import Draft, Engine, Model, Request, SamplingParams
+from edgespec import Draft, Drafter, Engine, Model, Request, SamplingParams
 from edgespec.bench import load_prompts
 from edgespec.calibration import CostCurve
-from edgespec.controller import Controller
+from edgespec.controller import Controller, Drafters
+from edgespec.cost_curve import RollbackCost
+from edgespec.costs import RoundCosts
 from edgespec.drafters import CopyDrafter
-from edgespec.modes import DraftMode, Source
+from edgespec.modes import DraftMode, Gamma, Source
 from edgespec.prompt_cache import common_prefix
 from edgespec.stats import RoundTiming
 
@@ -47,7 +49,7 @@ class Recorded:
 
 def record(engine: Engine, classes: list[str] | None = None, max_tokens: int = MAX_TOKENS) -> list[Recorded]:
     """The target's greedy answers to bench's prompts, with the draft model read along them."""
-    draft_model = engine.drafter.model
+    draft_model = engine.draft_model
     out = []
     for prompt in load_prompts():
         if classes is not None and prompt["name"] not in classes:
@@ -90,16 +92,37 @@ def load(path: Path = RECORDING) -> list[Recorded]:
     return [Recorded(**entry) for entry in json.loads(path.read_text())]
 
 
+def controller_on(
+    mode: str,
+    gamma: int | None,
+    verify: CostCurve | None,
+    draft_step: CostCurve | None,
+    model: Drafter | None,
+    copy: CopyDrafter,
+    *,
+    verify_rollback: RollbackCost | None = None,
+    seed: int = 0,
+) -> Controller:
+    """A controller as the engine makes one, on these cost curves (verify None: no costs, for
+    a fixed mode and draft length)."""
+    costs = RoundCosts(verify, draft_step, verify_rollback) if verify is not None else None
+    return Controller(DraftMode(mode), Gamma(gamma), costs, Drafters(copy, model), seed)
+
+
 class RecordedDraftModel:
     """The draft model as the recording saw it: drafts the answer's next tokens while its argmax
     agreed with the target, then wrong tokens; stops where its confidence says to (stop_below)."""
 
     WRONG = -1  # a token no answer holds
+    model = None
 
     def __init__(self, recorded: Recorded) -> None:
         self.recorded = recorded
 
-    def prefill(self, context: list[int]) -> None:
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def accept(self, context: list[int]) -> None:
         pass
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None) -> Draft:
@@ -143,9 +166,9 @@ def replay(
     draft_curve = CostCurve({1: draft_step, 2: 2 * draft_step})
     copy = CopyDrafter(vocab=vocab, prediction=recorded.prediction)
     drafter = RecordedDraftModel(recorded)
-    controller = Controller(mode, gamma, CostCurve(dict(verify)), draft_curve, drafter, copy, seed=seed)
+    controller = controller_on(mode, gamma, CostCurve(dict(verify)), draft_curve, drafter, copy, seed=seed)
     answer, seq = recorded.answer, list(recorded.prompt)
-    controller.prefill(seq, room=MAX_TOKENS)
+    controller.begin(seq, room=MAX_TOKENS)
     steps, by_source = 0.0, {}
     rng = np.random.default_rng(0)
     while (done := len(seq) - len(recorded.prompt)) < len(answer):
@@ -154,7 +177,7 @@ def replay(
         n = common_prefix(draft.tokens, answer[done:], len(draft.tokens))
         seq += answer[done : done + n + 1]
         made = len(draft.tokens) * draft_step if draft.source is Source.MODEL else 0.0
-        timing = RoundTiming(draft=made, verify=controller.V(len(draft.tokens) + 1))
+        timing = RoundTiming(draft=made, verify=controller.costs.verify_pass(len(draft.tokens) + 1))
         controller.observe(plan, draft, n, timing, seq)
         steps += timing.total
         by_source[draft.source.value] = by_source.get(draft.source.value, 0) + 1

@@ -7,22 +7,28 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from replay import controller_on
 
 from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibration, cost_curve, store
 from edgespec.calibration import CostCurve
 from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
+from edgespec.costs import Recheck
 from edgespec.drafters import CopyDrafter
-from edgespec.engine import Recheck
-from edgespec.stats import RoundTiming
+from edgespec.stats import RoundReport, RoundTiming
 
 
 class StubModelDrafter:
     """Stands in for a draft model in controller tests: proposes a fixed token."""
 
+    model = None
+
     def __init__(self):
         self.calls = []
 
-    def prefill(self, context):
+    def begin(self, prompt):
+        pass
+
+    def accept(self, context):
         pass
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None):
@@ -36,16 +42,16 @@ RNG = np.random.default_rng(0)
 
 def propose(controller: Controller, context: list[int], room: int = 100) -> tuple[Plan, Draft]:
     """A round's plan and its draft, the copy drafter having followed `context` first (as
-    prefill and the last round's observe leave it)."""
+    begin and the last round's observe leave it)."""
     if copy := controller.drafters.get("copy"):
-        copy.follow(context)
+        copy.accept(context)
     plan = controller.plan(context, room)
     return plan, controller.draft(plan, context, GREEDY, RNG)
 
 
 def test_hybrid_uses_a_confident_copy_else_the_model():
     model = StubModelDrafter()
-    controller = Controller("hybrid", 4, None, None, model, CopyDrafter())
+    controller = controller_on("hybrid", 4, None, None, model, CopyDrafter())
     repeated = [10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12, 13, 14]
     _, draft = propose(controller, repeated, 10)
     assert draft.source == "copy" and draft.tokens == [15, 16, 17, 10]
@@ -56,9 +62,9 @@ def test_hybrid_uses_a_confident_copy_else_the_model():
 def test_planning_learns_nothing():
     """plan() is a query: asked twice, the same answer, and nothing learnt until observe()."""
     controller = adaptive()
-    controller.prefill([1, 2, 3])
+    controller.begin([1, 2, 3])
     first, second = controller.plan([1, 2, 3], 100), controller.plan([1, 2, 3], 100)
-    assert first == second and controller.acceptance == {} and controller.live == {}
+    assert first == second and controller.acceptance == {} and controller.costs.live == {}
     feed(controller, accepted=0, drafted=0)
     assert controller.plan([1, 2, 3], 100).rng_state != first.rng_state  # the draw was used up
 
@@ -71,7 +77,7 @@ DRAFT = CostCurve({1: 0.3, 2: 0.33})
 
 
 def adaptive(verify=GPU, draft=DRAFT):
-    return Controller("auto", None, verify, draft, StubModelDrafter(), CopyDrafter())
+    return controller_on("auto", None, verify, draft, StubModelDrafter(), CopyDrafter())
 
 
 def feed(controller, accepted, drafted, rounds=1):
@@ -81,7 +87,7 @@ def feed(controller, accepted, drafted, rounds=1):
         planned = controller.plan([1, 2, 3], 100)  # its Thompson draw is used up, as in a real round
         plan = replace(planned, rate=0.0, source="model" if drafted else "off", gamma=drafted, key="model")
         draft = Draft([0] * drafted, None, source=plan.source)
-        timing = RoundTiming(DRAFT(1) * drafted, controller.V(drafted + 1))
+        timing = RoundTiming(DRAFT(1) * drafted, controller.costs.verify_pass(drafted + 1))
         controller.observe(plan, draft, accepted, timing, [1, 2, 3])
 
 
@@ -128,7 +134,7 @@ def test_model_draft_gets_stop_thresholds_from_the_cost_model():
 
 
 def test_fixed_mode_and_gamma_always_draft():
-    controller = Controller("model", 3, None, None, StubModelDrafter(), CopyDrafter())
+    controller = controller_on("model", 3, None, None, StubModelDrafter(), CopyDrafter())
     assert propose(controller, [1, 2, 3])[1].tokens == [42, 42, 42]
     assert propose(controller, [1, 2, 3], 2)[1].tokens == [42, 42]  # never past the room left
 
@@ -217,12 +223,13 @@ def test_calibration_is_cached_and_reused(tmp_path, monkeypatch, smollm2):
     assert again.points == pytest.approx(first.points)
     # an engine refines the curve from real rounds and saves it when it closes
     engine = Engine(smollm2, None, draft_mode="auto", owned=[])
-    curve = engine.cost_curve(smollm2, (1, 2, 4))
+    curve = engine.costs.curve(smollm2, (1, 2, 4))
     curve.observe(1, curve(1) * 1.5)
     engine.close()
     assert calibration.load_or_measure(smollm2, (1, 2, 4))(1) == pytest.approx(curve(1))
 
 
+@pytest.mark.slow
 def test_a_cost_measured_on_a_busy_machine_does_not_stick(tmp_path, monkeypatch, smollm2, smollm2_path):
     """A draft step cached three times too slow (as if measured during a compile), in auto
     mode where a draft model that looks too slow is never run: the next request after
@@ -235,7 +242,7 @@ def test_a_cost_measured_on_a_busy_machine_does_not_stick(tmp_path, monkeypatch,
     with Engine(smollm2, ModelDrafter(draft, smollm2.n_vocab), owned=[draft]) as engine:
         engine.generate("Hi", max_tokens=4, temperature=0)
         engine.upkeep()  # idle after the answer
-        step = engine.cost_curve(draft, calibration.DRAFT_SIZES)
+        step = engine.costs.curve(draft, calibration.DRAFT_SIZES)
         assert step(1) < 1.5 * quiet(1) and step.checked[1] > 0
     assert calibration.load_or_measure(draft, calibration.DRAFT_SIZES)(1) < 1.5 * quiet(1)
 
@@ -272,7 +279,7 @@ def test_flash_attention_is_chosen_again_after_a_day(tmp_path, monkeypatch, smol
 
 def test_auto_without_a_draft_model_never_plans_one():
     """The prior says a draft model pays on these costs; with none loaded, no plan may name it."""
-    controller = Controller("auto", None, GPU, None, None, CopyDrafter())
+    controller = controller_on("auto", None, GPU, None, None, CopyDrafter())
     assert "model" not in controller.drafters
     for context in ([1, 2, 3], [1, 2, 3, 4, 1, 2, 3]):
         for _ in range(50):
@@ -282,7 +289,7 @@ def test_auto_without_a_draft_model_never_plans_one():
 def test_predicted_speedup_of_rounds_without_drafts_is_one_however_the_machine_drifts():
     """The prediction is counted in target steps of the curve each plan was made with: a
     machine that slows down while nothing is drafted predicts 1.0x, not its drift."""
-    controller = Controller("auto", None, CostCurve({1: 1.0, 2: 1.9}), None, None, CopyDrafter())
+    controller = controller_on("auto", None, CostCurve({1: 1.0, 2: 1.9}), None, None, CopyDrafter())
     for i in range(20):
         context = [1, 2, 3, 4, 5, 6, 7 + i]
         plan, draft = propose(controller, context)
@@ -308,18 +315,18 @@ def test_auto_leaves_out_a_draft_model_that_cannot_pay_and_does_not_prefill_it()
     class Counting(StubModelDrafter):
         prefilled = 0
 
-        def prefill(self, context):
+        def begin(self, prompt):
             self.prefilled += 1
 
     model = Counting()
-    controller = Controller("auto", None, FLAT_CPU, SLOW_DRAFT, model, CopyDrafter())
+    controller = controller_on("auto", None, FLAT_CPU, SLOW_DRAFT, model, CopyDrafter())
     assert "model" not in controller.drafters
-    controller.prefill([1, 2, 3])
+    controller.begin([1, 2, 3])
     assert model.prefilled == 0 and controller.plan([1, 2, 3], 100).source == "off"
-    hybrid = Controller("hybrid", None, FLAT_CPU, SLOW_DRAFT, model, CopyDrafter())  # asked for: it runs
-    hybrid.prefill([1, 2, 3])
+    hybrid = controller_on("hybrid", None, FLAT_CPU, SLOW_DRAFT, model, CopyDrafter())  # asked for: it runs
+    hybrid.begin([1, 2, 3])
     assert model.prefilled == 1
-    assert "model" in Controller("auto", None, GPU, DRAFT, model, CopyDrafter()).drafters
+    assert "model" in controller_on("auto", None, GPU, DRAFT, model, CopyDrafter()).drafters
 
 
 def test_auto_leaves_out_a_draft_model_whose_prefill_a_short_answer_cannot_repay():
@@ -330,14 +337,14 @@ def test_auto_leaves_out_a_draft_model_whose_prefill_a_short_answer_cannot_repay
     class Counting(StubModelDrafter):
         prefilled = 0
 
-        def prefill(self, context):
+        def begin(self, prompt):
             self.prefilled += 1
 
     prompt = list(range(20_000))
     for room, kept in ((64, False), (20_000, True)):
         model = Counting()
-        controller = Controller("auto", None, GPU, DRAFT, model, CopyDrafter())
-        controller.prefill(prompt, room=room)
+        controller = controller_on("auto", None, GPU, DRAFT, model, CopyDrafter())
+        controller.begin(prompt, room=room)
         assert ("model" in controller.drafters) == kept and model.prefilled == int(kept)
 
 
@@ -352,11 +359,11 @@ def test_rounds_slower_than_planned_lose_their_place():
     while controller.plan([1, 2, 3], 100).source == "model":
         plan = controller.plan([1, 2, 3], 100)
         draft = Draft([0] * plan.gamma, None, source="model")
-        timing = RoundTiming(3 * 0.3 * plan.gamma, 3 * controller.V(plan.gamma + 1))
+        timing = RoundTiming(3 * 0.3 * plan.gamma, 3 * controller.costs.verify_pass(plan.gamma + 1))
         controller.observe(plan, draft, plan.gamma, timing, [1, 2, 3])
         rounds += 1
         assert rounds <= 5
-    assert controller.live["model"].ratio > 1.3
+    assert controller.costs.live["model"].ratio > 1.3
 
 
 def test_a_machine_slow_for_everything_changes_no_choice():
@@ -368,10 +375,12 @@ def test_a_machine_slow_for_everything_changes_no_choice():
         source, gamma = ("off", 0) if i % 2 else ("model", before.gamma)
         plan = Plan(1.0, source, gamma, key="model" if gamma else "")
         draft = Draft([0] * gamma, None, source=source)
-        controller.observe(plan, draft, gamma, RoundTiming(2 * 0.3 * gamma, 2 * controller.V(gamma + 1)), [1, 2, 3])
+        controller.observe(
+            plan, draft, gamma, RoundTiming(2 * 0.3 * gamma, 2 * controller.costs.verify_pass(gamma + 1)), [1, 2, 3]
+        )
     after = controller.plan([1, 2, 3], 100)
     assert after.source == before.source == "model"
-    assert controller.live["model"].ratio == pytest.approx(controller.live["off"].ratio, rel=0.15)
+    assert controller.costs.live["model"].ratio == pytest.approx(controller.costs.live["off"].ratio, rel=0.15)
 
 
 def test_a_pass_over_more_tokens_never_costs_less():
@@ -423,9 +432,9 @@ def test_a_curve_timed_on_a_busy_machine_is_renewed_after_one_answer(tmp_path, m
     calibration.save(smollm2, calibration.TARGET_SIZES, CostCurve({k: 3 * v for k, v in quiet.points.items()}))
     engine = Engine(smollm2, None)
     engine.generate("Count from one to twenty.", temperature=0, max_tokens=40)
-    assert engine.recheck is Recheck.ALL
+    assert engine.costs.recheck is Recheck.ALL
     engine.upkeep()
-    renewed = engine.cost_curve(smollm2)
+    renewed = engine.costs.curve(smollm2)
     assert renewed(1) < 1.5 * quiet(1) and renewed(16) < 1.5 * quiet(16)
     assert renewed.due() is None
 
@@ -446,12 +455,12 @@ def test_rechecks_wait_for_the_engine_to_be_idle(tmp_path, monkeypatch, smollm2)
 
     engine = Engine(smollm2, None, timer=Scripted(timed))
     engine.generate("Say hi.", temperature=0, max_tokens=4)
-    assert engine.recheck is Recheck.DUE and not rechecked
+    assert engine.costs.recheck is Recheck.DUE and not rechecked
     thread = EngineThread()
     thread.engine = engine
 
     def answer():
-        return engine.generate("Say hi.", temperature=0, max_tokens=4), time.monotonic(), engine.recheck
+        return engine.generate("Say hi.", temperature=0, max_tokens=4), time.monotonic(), engine.costs.recheck
 
     generation, finished_at, due = thread.submit(answer).result()
     deadline = time.monotonic() + 10
@@ -486,6 +495,6 @@ def test_without_plain_rounds_the_speedup_is_against_the_step_as_the_rounds_ran(
 
     stats = Stats(mode="speculative", gamma="auto")
     for _ in range(4):
-        stats.record_round("copy", 3, 3, RoundTiming(0.0, 0.2), 0.25, {}, 2.0, plain_step_s=0.1)
+        stats.record(RoundReport("copy", 3, 3, RoundTiming(0.0, 0.2), {}, 2.0, plain_step_s=0.1), 0.25)
     assert stats.baseline_tokens_per_s == pytest.approx(10.0)
     assert stats.measured_speedup == pytest.approx(16 / 1.0 / 10.0)  # 4 tokens a round, 0.25 s a round

@@ -17,6 +17,8 @@ from test_server import Server
 
 from edgespec.cache import cache_dir
 
+pytestmark = pytest.mark.slow  # real agents' clients against a server
+
 CTX = 8192  # SmolLM2's trained context: Claude Code's first request (20k tokens) does not fit it
 KEY = "sk-edgespec-test"
 GREEDY = {"extra_body": {"temperature": 0}}  # the anthropic SDK sends no sampling settings of its own

@@ -13,6 +13,8 @@ from test_server import Server
 
 from edgespec.tools import ToolCallParser, ToolChoice
 
+pytestmark = pytest.mark.slow  # real clients against a server
+
 CTX = 2048  # room for aider's 1,684-token prompt (SmolLM2's tokens) and its answer
 CLIENTS = Path(__file__).resolve().parents[2] / "shared" / "clients"
 if not CLIENTS.is_dir():  # CI's clone sits beside shared/ too; a checkout elsewhere may not

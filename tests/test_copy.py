@@ -17,7 +17,7 @@ from edgespec.sampling import distribution
 
 def follow_and_draft(drafter: CopyDrafter, context: list[int], n: int):
     """As the controller does each round: the drafter follows what the target wrote, then drafts."""
-    drafter.follow(context)
+    drafter.accept(context)
     return drafter.draft(context, n)
 
 
@@ -46,7 +46,7 @@ PROMPT = SOURCE + [99]
 def test_reanchors_next_to_an_edit_and_carries_the_substitution_forward():
     drafter = CopyDrafter(sizes=(3,))
     context = PROMPT + [10, 11, 12]
-    drafter.prefill(context)
+    drafter.begin(context)
     assert follow_and_draft(drafter, context, 12).tokens == SOURCE[3:]
     context += [13, 14, 15, 16, 50]  # the target renamed 7 to 50: the pointer is lost
     assert follow_and_draft(drafter, context, 64).tokens == []  # nothing near matches 50
@@ -58,14 +58,14 @@ def test_reanchors_next_to_an_edit_and_carries_the_substitution_forward():
 def test_a_substitution_the_target_disagrees_with_is_forgotten():
     drafter = CopyDrafter(sizes=(3,))
     context = PROMPT + [10, 11, 12]
-    drafter.prefill(context)
+    drafter.begin(context)
     follow_and_draft(drafter, context, 64)
     context += [13, 14, 15, 16, 50, 17]
     follow_and_draft(drafter, context, 64)
     context += [18, 19, 20, 7]  # this time the target kept 7
     assert follow_and_draft(drafter, context, 3).tokens == [21, 22, 99] and drafter.ptr is not None
     drafter = CopyDrafter(sizes=(3,), conversation=drafter.conversation)  # a new request starts clean
-    drafter.prefill(PROMPT + [10, 11, 12])
+    drafter.begin(PROMPT + [10, 11, 12])
     assert follow_and_draft(drafter, PROMPT + [10, 11, 12], 12).tokens == SOURCE[3:]
 
 
@@ -73,14 +73,14 @@ def test_a_prediction_is_drafted_from_its_start_and_found_again_after_a_preamble
     prediction = [30, 31, 32, 33, 34, 35, 36, 37]
     drafter = CopyDrafter(prediction=prediction, sizes=(3,))
     context = [1, 2, 3]
-    drafter.prefill(context)
+    drafter.begin(context)
     draft = follow_and_draft(drafter, context, 4)
     assert (draft.tokens, draft.source) == ([30, 31, 32, 33], "prediction")
     context += [5, 6, 30]  # a short preamble, then the prediction's first token
     draft = follow_and_draft(drafter, context, 64)
     assert (draft.tokens, draft.source) == (prediction[1:], "prediction")
     drafter = CopyDrafter(sizes=(3,))  # the next request has none
-    drafter.prefill([1, 2, 3])
+    drafter.begin([1, 2, 3])
     assert follow_and_draft(drafter, [1, 2, 3], 4).tokens == []
 
 
@@ -104,7 +104,7 @@ def count_items(items):
 def replay_rounds(drafter: CopyDrafter, prompt: list[int], output: list[int]) -> list[tuple[int, int]]:
     """Greedy rounds against a known output: (drafted, accepted) per round."""
     context, rounds = list(prompt), []
-    drafter.prefill(context)
+    drafter.begin(context)
     while len(context) < len(prompt) + len(output):
         done = len(context) - len(prompt)
         draft = follow_and_draft(drafter, context, 64).tokens
@@ -198,6 +198,7 @@ COUNTING = "one two three four five six. one two three four five six. one two th
 
 
 @pytest.mark.parametrize("prediction", [None, " four five six. one"], ids=["context", "prediction"])
+@pytest.mark.slow
 def test_first_and_second_token_laws_are_the_targets(smollm2, prediction):
     """Sampled: the first two tokens over 1500 runs follow the target's own joint law
     p(t1) p(t2 | t1) (chi-square), through copy drafts that are accepted or rejected."""

@@ -21,6 +21,7 @@ def code_blocks(text: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
 
 
+@pytest.mark.slow
 def test_readme_quick_start_runs_the_main_job():
     first = code_blocks(README, "sh")[0].strip()
     install, command = first.split(" && ", 1)
@@ -37,6 +38,30 @@ def test_readme_test_command_is_what_ci_runs():
         assert part in ci
 
 
+@pytest.mark.slow
+def test_readme_fast_lane_is_a_real_subset():
+    """The README's fast lane collects most of the tests, and leaves the slow ones out."""
+    command = code_blocks(README, "sh")[2].strip()
+    assert shlex.split(command)[:2] == ["pytest", "-m"]
+
+    def collected(*args: str) -> int:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
+            cwd=Path(__file__).parents[1],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode in (0, 5), done.stdout + done.stderr  # 5: none collected
+        found = re.search(r"(\d+)(?:/\d+)? tests? collected", done.stdout)
+        return int(found.group(1)) if found else 0
+
+    fast, every = collected(*shlex.split(command)[1:]), collected()
+    assert every / 3 < fast < every
+    assert collected("-m", "not slow", "tests/test_qwen.py", "tests/test_editors.py") == 0
+
+
+@pytest.mark.slow
 def test_readme_library_example(capsys):
     (example,) = [b for b in code_blocks(README, "python") if "edgespec.load" in b]
     namespace: dict = {}
@@ -47,6 +72,7 @@ def test_readme_library_example(capsys):
     assert [call.name for call in namespace["asked"].tool_calls] == ["get_weather"]
 
 
+@pytest.mark.slow
 def test_package_docstring_example(capsys):
     example = "\n".join(line for line in edgespec.__doc__.splitlines()[2:])
     exec(compile(example, "edgespec/__init__.py", "exec"), {})
@@ -63,6 +89,7 @@ def default_server():
     assert server.stop() == 0
 
 
+@pytest.mark.slow
 def test_readme_openai_client_section(capsys, default_server):
     """The server section's curl and Python examples, against `edgespec serve` on the default pair."""
     section = README[README.index("## Use it from any OpenAI client") : README.index("## Editors")]
@@ -78,6 +105,7 @@ def test_readme_openai_client_section(capsys, default_server):
     assert "surface" in out and "accepted_prediction_tokens" in out and "drafted" in out
 
 
+@pytest.mark.slow
 def test_readme_editors_section(default_server):
     """The /infill example, and the side-by-side script (edgespec's servers only: llama-server
     is not built here) on one completion."""
@@ -91,6 +119,7 @@ def test_readme_editors_section(default_server):
     assert "scripts/fim_side_by_side.py --llama-server PATH" in section
 
 
+@pytest.mark.slow
 def test_fim_side_by_side_script_runs(tmp_path):
     script = Path(__file__).parents[1] / "scripts" / "fim_side_by_side.py"
     argv = [sys.executable, str(script), "--llama-server", "unused", "--cases", "1", "--ctx", "2048"]
@@ -101,6 +130,7 @@ def test_fim_side_by_side_script_runs(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["servers"]["edgespec auto"]["exact"] in (0, 1)
 
 
+@pytest.mark.slow
 def test_readme_agents_section(capsys, default_server):
     """The Anthropic and Responses examples run against the default pair; the claude and codex
     commands are the ones scripts/agents-bench.sh runs (it needs npm and minutes: not CI)."""
@@ -119,6 +149,7 @@ def test_readme_agents_section(capsys, default_server):
         assert all(w in script for w in words if w.startswith("-") or "=" in w or w in ("claude", "codex")), line
 
 
+@pytest.mark.slow
 def test_readme_recurrent_section_command_runs():
     section = README[README.index("## Recurrent, hybrid") : README.index("## Models")]
     (command,) = code_blocks(section, "sh")

@@ -17,6 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+pytestmark = pytest.mark.slow  # pulls in child processes, killed and resumed
+
 PARTS = 4
 RATE = 40 << 20  # bytes/s the index serves: a part takes about half a second
 

@@ -22,6 +22,8 @@ from edgespec import Infill, Request, SamplingParams, fim_bench
 from edgespec.fim_bench import cases
 from edgespec.run import PREFILL_CHUNK
 
+pytestmark = pytest.mark.slow  # the Qwen pair, behind a server
+
 CTX = 4096
 GREEDY = SamplingParams(temperature=0)
 FIZZBUZZ = Infill("def fizzbuzz(n):\n", "\n\nfor line in fizzbuzz(15):\n    print(line)\n", "    ")

@@ -29,7 +29,12 @@ class RandomDrafter:
     def __init__(self, n_vocab: int, seed: int = 0) -> None:
         self.n_vocab, self.rng = n_vocab, np.random.default_rng(seed)
 
-    def prefill(self, context):
+    model = None
+
+    def begin(self, prompt):
+        pass
+
+    def accept(self, context):
         pass
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None):
@@ -69,6 +74,7 @@ def test_bad_drafter_sampled_mode_is_reproducible(smollm2):
     assert first.tokens == second.tokens and first.stats.n_tokens == 24
 
 
+@pytest.mark.slow
 def test_first_token_distribution_matches_target(requant_engine):
     """Sampled mode: the first generated token over 2000 runs follows the target's
     exact distribution (chi-square), through draft + accept/resample."""
@@ -160,6 +166,7 @@ def test_end_of_generation_stops(self_engine):
     assert "<|im_end|>" not in out.text
 
 
+@pytest.mark.slow
 def test_context_full_and_prompt_too_long(smollm2_path):
     target, draft = Model(smollm2_path, n_ctx=64), Model(smollm2_path, n_ctx=64)
     from edgespec import ModelDrafter

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the GPU check's models, written and run
+
 ROOT = Path(__file__).resolve().parent.parent
 CARRY_LIMIT = 64 << 20  # what a device machine takes in, the working tree included
 

@@ -79,6 +79,7 @@ def assert_constrained_match(name, model, prompt, gbnf, baseline, other):
 @pytest.mark.parametrize(
     "prompt,constraint", [(ADA, {"json_schema": PERSON}), ("List three fruits.", {"grammar": LIST_GBNF})]
 )
+@pytest.mark.slow
 def test_greedy_under_a_grammar_equals_llama_cpp_python(smollm2, smollm2_path, requant_engine, prompt, constraint):
     """Greedy is the argmax of p_g: the same tokens as llama-cpp-python's sampler with the
     same grammar, with no draft, with copies and forced text, and with a draft model."""
@@ -114,6 +115,7 @@ DIGITS = 'root ::= "{\\"a\\": " [0-9] [0-9]? "}"'
 
 
 @pytest.mark.parametrize("drafting", ["forced", "model"])
+@pytest.mark.slow
 def test_first_two_tokens_follow_the_constrained_law(smollm2, requant_engine, drafting):
     """Sampled: the first two tokens over 1500 runs follow p_g(t1) p_g(t2 | t1) (chi-square),
     through forced drafts and through a draft model whose q is masked the same way."""
@@ -146,6 +148,7 @@ def test_first_two_tokens_follow_the_constrained_law(smollm2, requant_engine, dr
 
 
 @pytest.mark.parametrize("schema,prompt", [(PERSON, ADA), (ORDER, COFFEE)], ids=["person", "order"])
+@pytest.mark.slow
 def test_every_answer_under_a_schema_is_valid(smollm2, requant_engine, schema, prompt):
     """Greedy and sampled, with every drafter: each finished answer parses and validates."""
     finished = 0

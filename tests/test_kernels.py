@@ -36,6 +36,7 @@ print("repack", model.repack)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-1.5b"])
+@pytest.mark.slow
 def test_batched_verify_in_a_fresh_process(name):
     path = resolve_model(name)
     done = subprocess.run([sys.executable, "-c", BATCHED, str(path)], capture_output=True, text=True, timeout=600)

@@ -9,6 +9,8 @@ from edgespec import Engine, Model, ModelDrafter
 from edgespec.loader import resolve_model
 from edgespec.model import compatibility_problem
 
+pytestmark = pytest.mark.slow  # the Qwen pair
+
 PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
 
 
@@ -23,7 +25,7 @@ def qwen_engine():
 
 
 def test_qwen_pair_is_compatible(qwen_engine):
-    assert compatibility_problem(qwen_engine.target, qwen_engine.drafter.model) is None
+    assert compatibility_problem(qwen_engine.target, qwen_engine.draft_model) is None
 
 
 def test_qwen_greedy_speculative_equals_no_draft(qwen_engine):

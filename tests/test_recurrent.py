@@ -13,17 +13,19 @@ import llama_cpp
 import numpy as np
 import pytest
 from conftest import assert_greedy_match
+from replay import controller_on
 from scipy import stats as scipy_stats
 from test_cli import run
 from tiny_models import ARCHS, write_tiny
 
 import edgespec
 from edgespec import Engine, Model, ModelDrafter, SamplingParams
-from edgespec.controller import Controller
 from edgespec.cost_curve import CostCurve, RollbackCost
 from edgespec.drafters import CopyDrafter
 from edgespec.model import Rollback
 from edgespec.sampling import distribution
+
+pytestmark = pytest.mark.slow  # models written with the gguf package
 
 EXPECTED = {
     "mamba": Rollback.CHECKPOINTS,
@@ -73,7 +75,7 @@ def assert_same_logits(actual: np.ndarray, expected: np.ndarray) -> None:
 def test_rollback_kind_is_found_by_asking_llama_cpp(engines, arch):
     engine = engines[arch]
     assert engine.target.recurrent and engine.target.rollback is EXPECTED[arch]
-    assert engine.drafter.model.n_snapshots == 0  # a draft model has no use for snapshots
+    assert engine.draft_model.n_snapshots == 0  # a draft model has no use for snapshots
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -235,8 +237,8 @@ def test_controller_prices_rollback():
     text = list(range(100, 160))
 
     def plan_with(rollback, context=text * 2 + text[:40]):
-        controller = Controller("auto", None, curve, None, None, CopyDrafter(), verify_rollback=rollback)
-        controller.prefill(context)
+        controller = controller_on("auto", None, curve, None, None, CopyDrafter(), verify_rollback=rollback)
+        controller.begin(context)
         return controller.plan(context, 100)
 
     assert plan_with(None).source == "copy"

@@ -43,6 +43,7 @@ def expected_speedup(recorded, vocab, mode, gamma, curve, draft_step) -> float:
 
 
 @pytest.mark.parametrize("curve", CURVES)
+@pytest.mark.slow
 def test_auto_keeps_up_with_the_best_fixed_mode_under_every_curve(vocab, curve):
     behind = []
     for recorded in load():
@@ -69,6 +70,7 @@ def test_a_copy_is_worth_what_the_curve_allows():
     assert 1.6 < copied.speedup <= 17 / 8
 
 
+@pytest.mark.slow
 def test_the_recording_is_what_the_qwen_pair_writes(tmp_path):
     """The recorded answers and the draft model's agreement along them, as this build writes
     them (the first tokens of two classes), recorded the way replay.py's docstring says."""

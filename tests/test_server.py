@@ -136,6 +136,7 @@ def test_llama_servers_completion_and_infill_on_a_model_without_fim_tokens(serve
     assert suffix.status_code == 400 and "fill-in-the-middle" in suffix.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_a_full_context_ends_with_length_and_says_so(server):
     counting = ", ".join(str(i) for i in range(1, 200)) + ","  # ~890 tokens; the model keeps counting
     done = server.client().completions.create(model="m", prompt=counting, max_tokens=CTX, temperature=0)
@@ -193,6 +194,7 @@ def test_prediction_is_used_and_counted(server, engine):
     assert predicted.model_extra["speculative"]["rounds_by_source"].get("prediction", 0) > 0
 
 
+@pytest.mark.slow
 def test_eight_concurrent_clients(server, engine):
     prompts = [[{"role": "user", "content": f"Name a fruit that starts with the letter {c}."}] for c in "ABCDEFGH"]
     expected = {i: engine.chat(p, temperature=0, max_tokens=12).tokens for i, p in enumerate(prompts)}

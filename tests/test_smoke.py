@@ -95,6 +95,7 @@ def test_pull_and_models(capsys, smollm2_path):
 
 
 @pytest.mark.parametrize("source", ["pair", "target-alone"])
+@pytest.mark.slow
 def test_bench_small(capsys, sources, source):
     code, out, err = run(capsys, "bench", *sources[source], "--max-tokens", "3", "--json")
     assert code == 0, err
@@ -157,10 +158,15 @@ def test_chat_bad_settings_fail_before_the_app_starts(capsys, monkeypatch, extra
 
 
 class RepeatLastDrafter:
-    """A custom drafter (any object with prefill/draft): proposes the last token again."""
+    """A custom drafter (any object of edgespec.Drafter's shape): proposes the last token again."""
 
-    def prefill(self, context):
-        self.prefilled = len(context)
+    model = None  # free: it runs no model
+
+    def begin(self, prompt):
+        self.begun = len(prompt)
+
+    def accept(self, context):
+        self.accepted = len(context)
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None):
         return Draft([context[-1]] * n, None, source="model")

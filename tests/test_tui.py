@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from weakref import WeakKeyDictionary
 
+import pytest
 from textual.notifications import Notification, Notify
 
 from tui.app import ChatApp
@@ -78,7 +79,7 @@ def test_toggles_take_effect_on_the_next_answer():
         await pilot.press("ctrl+t", "ctrl+d")  # on again; auto -> model
         assert app.draft_mode == "model"
         await pilot.press("ctrl+g", "ctrl+g")  # auto -> 1 -> 2
-        assert app.gamma == 2
+        assert app.gamma.fixed == 2
         await send(pilot, app, "Name another colour.")
         stats = app.last_stats
         assert (stats.mode, stats.draft_mode, stats.gamma) == ("speculative", "model", 2)
@@ -91,6 +92,7 @@ def test_toggles_take_effect_on_the_next_answer():
     run(test)
 
 
+@pytest.mark.slow
 def test_stop_mid_answer_then_send_again():
     async def test(app, pilot):
         await wait_for(pilot, lambda: app.engine is not None)

@@ -19,6 +19,8 @@ import edgespec
 from edgespec import kernels, store
 from edgespec.engine import MAX_CHARS_PER_TOKEN
 
+pytestmark = pytest.mark.slow  # models written with the gguf package
+
 HOSTILE = {
     "huge-string": "{{ 'a' * 10**10 }}",
     "huge-list": "{% set x = [0] * 10**9 %}{{ x | length }}",

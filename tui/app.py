@@ -19,11 +19,11 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Header, Input
 
 import edgespec
-from edgespec.modes import AUTO
+from edgespec import Gamma
 
 from .widgets import AssistantMessage, PairPicker, StatsPanel, UserMessage
 
-GAMMAS = (AUTO, 1, 2, 3, 4, 6, 8, 16)
+GAMMAS = (Gamma(), *map(Gamma, (1, 2, 3, 4, 6, 8, 16)))
 REFRESH_S = 0.25  # redraw at most this often: drawing shares the CPU with llama.cpp
 
 
@@ -56,7 +56,7 @@ class ChatApp(App):
     speculation = reactive(True)
     colour = reactive(False)  # off: answers render as Markdown
     draft_mode = reactive(edgespec.DraftMode.AUTO)
-    gamma = reactive(AUTO)
+    gamma = reactive(Gamma())
     generating = reactive(False)
 
     def __init__(
@@ -66,14 +66,14 @@ class ChatApp(App):
         target=None,
         draft=None,
         draft_mode: str = "auto",
-        gamma: int | str | None = "auto",
+        gamma: Gamma | None = None,
         max_tokens: int | None = None,
         temperature: float = edgespec.SamplingParams.temperature,
         **load_options,
     ) -> None:
         super().__init__()
         self.set_reactive(ChatApp.draft_mode, draft_mode)
-        self.set_reactive(ChatApp.gamma, gamma or AUTO)
+        self.set_reactive(ChatApp.gamma, gamma or Gamma())
         self.engine: edgespec.Engine | None = None
         self.messages: list[dict[str, str]] = []
         self.answer: AssistantMessage | None = None
@@ -141,7 +141,7 @@ class ChatApp(App):
 
     def _engine_ready(self, engine: edgespec.Engine) -> None:
         self.sub_title = engine.target.path.name + (
-            f" ← {engine.drafter.model.path.name}" if engine.drafter is not None else " (copy drafts only)"
+            f" ← {engine.draft_model.path.name}" if engine.draft_model is not None else " (copy drafts only)"
         )
         self.notify(f"Loaded {self.sub_title}")
 

@@ -1,0 +1,98 @@
+"""The fields of an API request body that several APIs share, read one way for all of them
+(OpenAI's, Anthropic's Messages, OpenAI's Responses, llama-server's): each is checked here,
+or by Request itself, and a bad one is a RequestError naming it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .request import RequestError, checked
+from .sampling import DEFAULT as DEFAULT_SAMPLING
+from .sampling import SamplingParams
+
+
+def sampling_of(body: dict) -> SamplingParams:
+    """The sampling settings of an API request body (temperature, top_p, and llama-server's
+    top_k, min_p and seed, by the names every API here uses); the defaults for those unset."""
+    sampling = {name: json_field(body, name, (int, float)) for name in ("temperature", "top_p", "min_p")}
+    sampling |= {"top_k": json_field(body, "top_k", (int,)), "seed": json_field(body, "seed", (int,))}
+    return checked(lambda: replace(DEFAULT_SAMPLING, **{k: v for k, v in sampling.items() if v is not None}))
+
+
+def speculation_of(body: dict) -> dict:
+    """edgespec's own fields of an API request body, as Request's keywords (which checks them):
+    draft_mode and gamma."""
+    return {"draft_mode": body.get("draft_mode"), "gamma": body.get("gamma")}
+
+
+def text_of(content, param: str, parts: tuple[str, ...] = ("text",)) -> str:
+    """A message's content: a string, or a list of text parts (objects of a type in `parts`,
+    whose text is under "text", or "refusal" for a refusal)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if other := next((p.get("type") for p in content if p.get("type") not in parts), None):
+            raise RequestError(f"'{param}': '{other}' parts are not supported; edgespec reads text only", param)
+        texts = [p.get("text", p.get("refusal", "")) for p in content]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise RequestError(f"'{param}' must be a string or a list of text parts", param)
+
+
+def answer_limit(body: dict, *names: str) -> int | None:
+    """The first of the fields `names` that is set: an answer's length at most, 1 or more (as
+    OpenAI's and Anthropic's APIs take it; a Request's 0, the prompt only, is llama-server's)."""
+    for name in names:
+        if (value := json_field(body, name, (int,))) is not None:
+            if value < 1:
+                raise RequestError(f"'{name}' must be >= 1", name)
+            return value
+    return None
+
+
+def json_field(body: dict, name: str, kinds: tuple, default=None):
+    """body[name] if it is of one of `kinds` (int, float, str, bool), `default` if unset, else RequestError."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join(
+            {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}[k] for k in kinds
+        )
+        raise RequestError(f"'{name}' must be {names}", name)
+    return value
+
+
+def completion_prompt(body: dict) -> str:
+    """A completion body's `prompt`: one non-empty string (or a list of one)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("'prompt' must be a non-empty string", "prompt")
+    return prompt
+
+
+def constraint_of(body: dict) -> tuple[dict | None, str | None]:
+    """(json_schema, grammar) the answer must match: OpenAI's response_format, or
+    llama-server's `json_schema` (a schema) and `grammar` (GBNF text) fields, at most one of them."""
+    response_format, json_schema = body.get("response_format"), body.get("json_schema")
+    if json_schema is not None and not isinstance(json_schema, dict):
+        raise RequestError("'json_schema' must be an object (a JSON schema)", "json_schema")
+    grammar = json_field(body, "grammar", (str,))
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is not None and kind != "text":
+        if json_schema is not None or grammar is not None:
+            raise RequestError("give one of response_format, json_schema and grammar", "response_format")
+        if kind == "json_object":
+            json_schema = {"type": "object"}
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise RequestError("'response_format.json_schema.schema' must be an object", "response_format")
+            json_schema = spec["schema"]
+        else:
+            raise RequestError("'response_format.type' must be text, json_object or json_schema", "response_format")
+    if json_schema is not None and grammar is not None:
+        raise RequestError("give one of response_format, json_schema and grammar", "grammar")
+    return json_schema, grammar

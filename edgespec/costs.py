@@ -1,0 +1,258 @@
+"""What a round costs on this machine, and how a request's rounds really ran against it.
+
+    V(k)             one target pass over k tokens (calibration.py measures it: a CostCurve)
+    d                one draft-model step (the draft model's curve, at 1-2 tokens)
+    R(γ, α)          cutting a recurrent state back (cost_curve.RollbackCost; 0 for attention alone)
+    model round      γ d + V(γ+1) + R_target(γ, α) + R_draft(γ, α)
+    free round       V(γ+1) + R_target(γ, α)          (a copy or forced text: no model runs)
+
+RoundCosts answers a request's controller from those curves, each kind of round's cost
+checked against the seconds it really took (LiveCost): the curves are timed now and then,
+the rounds' real times are the truest cost there is, so a kind of round running slower than
+planned loses its place within a few rounds. Real rounds also move the curves themselves.
+MachineCosts is the engine's: the curves per model (measured once, cached), and when to
+time them again (the re-check schedule, run by Engine.upkeep when idle).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from time import perf_counter
+
+from . import calibration
+from .cost_curve import CostCurve, RollbackCost, expected_tokens
+from .model import Model
+from .modes import Source
+from .stats import RoundTiming
+
+LIVE_PRIOR_ROUNDS = 3.0  # pseudo-rounds at the planned cost behind each kind of round's measured cost
+LIVE_CLIP = 2.0  # one round moves its kind's cost by at most this factor (a page fault, a burst of load)
+# rounds running this much faster than the curves say, over this many rounds: the curves were
+# measured on a busy machine (other load only ever adds time) and are measured again
+STALE_RATIO, STALE_ROUNDS = 0.8, 8.0
+DECAY = 0.99  # per round; after ~70 rounds old evidence counts half (as the controller's acceptance)
+ALL = "all"  # the live cost of every kind of round together
+RECHECK_SHARE = 0.05  # at most this share of an engine's time goes to timing costs again
+
+
+@dataclass
+class LiveCost:
+    """How the seconds one kind of round really took compare with its plan: the
+    geometric mean of real/planned over recent rounds (decaying like the acceptance
+    evidence), shrunk by LIVE_PRIOR_ROUNDS toward a prior ratio (for a kind of round,
+    that of all rounds: a kind not run yet is as slow as the machine is now, not as the
+    curve says, or it would look cheaper than the kinds that have run)."""
+
+    log_ratio: float = 0.0  # decayed sum of log(real / planned)
+    rounds: float = 0.0  # decayed count
+
+    @property
+    def ratio(self) -> float:
+        return self.ratio_toward(1.0)
+
+    def ratio_toward(self, prior: float) -> float:
+        return math.exp((self.log_ratio + LIVE_PRIOR_ROUNDS * math.log(prior)) / (self.rounds + LIVE_PRIOR_ROUNDS))
+
+    def observe(self, seconds: float, planned: float) -> None:
+        if seconds > 0 and planned > 0:
+            self.log_ratio += min(max(math.log(seconds / planned), -math.log(LIVE_CLIP)), math.log(LIVE_CLIP))
+            self.rounds += 1
+
+    def decay(self) -> None:
+        self.log_ratio *= DECAY
+        self.rounds *= DECAY
+
+
+def _draft_again(step: float):
+    """What a draft model's kept tokens cost again after a restore: its next pass takes the
+    k - 1 of them beside the token it had to evaluate anyway, at about a step each."""
+    return lambda k: (k - 1) * step
+
+
+class RoundCosts:
+    """A request's costs: seconds of each kind of round (by the curves, and as this request's
+    rounds have really run), learnt from every finished round (observe)."""
+
+    def __init__(
+        self,
+        verify: CostCurve,
+        draft_step: CostCurve | None = None,
+        verify_rollback: RollbackCost | None = None,
+        draft_rollback: RollbackCost | None = None,
+    ) -> None:
+        """verify: V(k) of the target; draft_step: the draft model's curve (None: no draft model,
+        or one of unknown cost, counted free); the rollbacks: what cutting the target's and the
+        draft model's recurrent states back costs (None: attention alone, a cut is free)."""
+        self._verify, self._draft = verify, draft_step
+        self._verify_rollback, self._draft_rollback = verify_rollback, draft_rollback
+        self.live: dict[Source | str, LiveCost] = {}  # per kind of round (a Source) and ALL
+
+    # --- the curves ----------------------------------------------------------------
+    def verify_pass(self, k: int) -> float:
+        """V(k): one target pass over k tokens."""
+        return self._verify(k)
+
+    def draft_step(self) -> float:
+        """One draft-model step (0: no draft model's cost known)."""
+        return self._draft(1) if self._draft is not None else 0.0
+
+    def in_steps(self, seconds: float) -> float:
+        """`seconds` in target steps (V(1))."""
+        return seconds / self._verify(1)
+
+    def rollback_steps(self) -> tuple[float, float]:
+        """(checkpoint, restore) of the target's recurrent state in target steps; (0, 0) for attention alone."""
+        rollback = self._verify_rollback
+        return (self.in_steps(rollback.checkpoint_s), self.in_steps(rollback.restore_s)) if rollback else (0.0, 0.0)
+
+    def pass_sizes(self, longest: int) -> list[int]:
+        """Verify pass sizes worth planning, up to `longest`: on a CPU, where V(k) has knees, the cheap sizes."""
+        return self._verify.sizes(longest)
+
+    # --- a round's cost ------------------------------------------------------------
+    def model_round(self, gamma: int, alpha: float) -> float:
+        """A draft-model round of γ drafts accepted at rate α, by the curves."""
+        step = self.draft_step()
+        cost = gamma * step + self.verify_round(gamma, alpha)
+        if self._draft_rollback is not None:
+            cost += self._draft_rollback.expected(gamma, alpha, _draft_again(step))
+        return cost
+
+    def verify_round(self, gamma: int, alpha: float) -> float:
+        """A verify pass over γ drafts and the token before them, with the rollback it may need."""
+        if self._verify_rollback is None or gamma == 0:
+            return self._verify(gamma + 1)
+        return self._verify(gamma + 1) + self._verify_rollback.expected(gamma, alpha, self._verify)
+
+    def planned(self, source: Source, gamma: int, alpha: float = 1.0) -> float:
+        """A round's expected seconds by the curves alone (a copy is free, a model draft is not)."""
+        return self.model_round(gamma, alpha) if source is Source.MODEL else self.verify_round(gamma, alpha)
+
+    def expected(self, source: Source, gamma: int, alpha: float = 1.0) -> float:
+        """A round's expected seconds, as its kind of round has really been running in this request."""
+        return self.planned(source, gamma, alpha) * self._live(source).ratio_toward(self._live(ALL).ratio)
+
+    def plain_step(self) -> float:
+        """Seconds a round without a draft takes now: the calibrated step, as this request's
+        rounds have really been running against their plan."""
+        return self.expected(Source.OFF, 0)
+
+    def of_round(self, source: Source, gamma: int, accepted: int) -> float:
+        """What a finished round should have cost by the curves, given what it kept."""
+        step = self.draft_step() if source is Source.MODEL else 0.0
+        cost = gamma * step + self._verify(gamma + 1)
+        if self._verify_rollback is not None and gamma:
+            cost += self._verify_rollback.of_round(gamma, accepted, self._verify)
+        if self._draft_rollback is not None and source is Source.MODEL and gamma:
+            cost += self._draft_rollback.of_round(gamma, accepted, _draft_again(step))
+        return cost
+
+    # --- the draft model's worth ---------------------------------------------------------
+    def model_per_token(self, alpha: float, gammas) -> float:
+        """Seconds per answer token with the draft model at its best γ (of `gammas`) at α."""
+        return min(self.model_round(g, alpha) / expected_tokens(alpha, g) for g in gammas)
+
+    def draft_prefill_per_token(self) -> float:
+        """Seconds the draft model takes to read one prompt token: the target's batched pass,
+        scaled by the two models' single steps (the draft model's curve is measured at 1-2 tokens);
+        0 for a draft model of unknown cost (counted free, as in model_round)."""
+        if self._draft is None:
+            return 0.0
+        largest = max(calibration.TARGET_SIZES)
+        return self._verify(largest) / largest * self._draft(1) / self._verify(1)
+
+    # --- learning from real rounds --------------------------------------------------------
+    def observe(self, source: Source, drafted: int, accepted: int, timing: RoundTiming) -> None:
+        """A finished round: `drafted` tokens from `source`, `accepted` kept, took `timing`."""
+        for live in self.live.values():
+            live.decay()
+        planned = self.of_round(source, drafted, accepted)
+        for kind in (source, ALL):
+            self.live.setdefault(kind, LiveCost()).observe(timing.total, planned)
+        self._verify.observe(drafted + 1, timing.verify)
+        if source is Source.MODEL and drafted and self._draft is not None:
+            self._draft.observe(1, timing.draft / drafted)
+
+    def look_stale(self) -> bool:
+        """Whether this request's rounds ran far faster than the curves say (STALE_RATIO)."""
+        seen = self.live.get(ALL)
+        return seen is not None and seen.rounds >= STALE_ROUNDS and seen.ratio < STALE_RATIO
+
+    def _live(self, kind: Source | str) -> LiveCost:
+        return self.live.get(kind) or LiveCost()
+
+
+class Recheck(Enum):
+    """The cost re-check an engine has due (MachineCosts.upkeep runs it)."""
+
+    NONE = 0
+    DUE = 1  # the points measured long ago, within the time budget (RECHECK_SHARE)
+    ALL = 2  # every point: the last answer's rounds ran far faster than the curves say (timed on a busy machine)
+
+
+class MachineCosts:
+    """An engine's costs: each model's cost curve and rollback cost on this machine (cached,
+    else measured at first use), the RoundCosts of each request made from them, and the
+    re-check they have due."""
+
+    def __init__(self, timer: calibration.Timer = calibration.TIMER) -> None:
+        """timer: what times the models' passes (calibration.Timer; tests give their own)."""
+        self.timer = timer
+        self._curves: dict[tuple, CostCurve] = {}
+        self._rollbacks: dict[Model, RollbackCost | None] = {}
+        # seconds of answering since the last re-check, less what re-checks cost / RECHECK_SHARE:
+        # many short answers must not each pay for one
+        self._credit = 0.0
+        self.recheck = Recheck.NONE  # due, for upkeep()
+
+    def curve(self, model: Model, sizes=calibration.TARGET_SIZES) -> CostCurve:
+        """V(k) of `model` on this machine: cached, else measured now (once)."""
+        if (model, sizes) not in self._curves:
+            self._curves[model, sizes] = calibration.load_or_measure(model, sizes, self.timer)
+        return self._curves[model, sizes]
+
+    def rollback(self, model: Model) -> RollbackCost | None:
+        """What cutting `model`'s recurrent state back costs here (None: attention alone): cached, else measured now."""
+        if model not in self._rollbacks:
+            self._rollbacks[model] = calibration.load_or_measure_rollback(model)
+        return self._rollbacks[model]
+
+    def of_request(self, target: Model, draft_model: Model | None) -> RoundCosts:
+        """A request's costs, on this engine's curves (rounds move them for the requests after)."""
+        if draft_model is None:
+            return RoundCosts(self.curve(target), None, self.rollback(target))
+        draft_curve = self.curve(draft_model, calibration.DRAFT_SIZES)
+        return RoundCosts(self.curve(target), draft_curve, self.rollback(target), self.rollback(draft_model))
+
+    def answered(self, seconds: float, costs: RoundCosts | None) -> None:
+        """An answer took `seconds` with these `costs` (None: none planned): schedule a re-check.
+        Timed on a busy machine: all of it again, whatever the budget (once: then it is right);
+        else what was measured long ago, within the budget (a due re-check never undoes one of all)."""
+        self._credit += seconds
+        if costs is None:
+            return
+        if costs.look_stale():
+            self.recheck = Recheck.ALL
+        elif self._credit >= 0 and self.recheck is Recheck.NONE:
+            self.recheck = Recheck.DUE
+
+    def upkeep(self) -> None:
+        """Time again the costs the last answers found stale (see calibration.recheck), if any."""
+        curves = [(model, curve) for (model, _), curve in self._curves.items()]
+        recheck, self.recheck = self.recheck, Recheck.NONE
+        if recheck is Recheck.ALL:
+            for _, curve in curves:
+                curve.mark_stale()
+            calibration.recheck(curves, every=True, timer=self.timer)
+        elif recheck is Recheck.DUE:
+            start = perf_counter()
+            calibration.recheck(curves, timer=self.timer)
+            self._credit -= (perf_counter() - start) / RECHECK_SHARE
+
+    def save(self) -> None:
+        """Keep what real rounds taught about the curves, for the next engine on this machine."""
+        for (model, sizes), curve in self._curves.items():
+            calibration.save(model, sizes, curve)
+        self._curves.clear()
