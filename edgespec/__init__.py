@@ -31,6 +31,7 @@ _MODULES = {
     "Gamma": "modes",
     "Source": "modes",
     "Request": "request",
+    "Law": "sampling",
     "SamplingParams": "sampling",
     "Stats": "stats",
     "ToolCall": "tools",

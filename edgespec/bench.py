@@ -20,7 +20,7 @@ from time import perf_counter
 
 import numpy as np
 
-from . import calibration, fim_bench
+from . import calibration, fim_bench, round_bench
 from .engine import Engine
 from .errors import EdgespecError
 from .kernels import plain_llama
@@ -62,7 +62,7 @@ def load_prompts() -> list[dict]:
 
 def check_selection(modes: Sequence[str], prompts: Sequence[str] | None) -> None:
     """Refuse unknown mode or prompt-class names (before any model is loaded)."""
-    classes = [p["name"] for p in load_prompts()] + [fim_bench.NAME]
+    classes = [p["name"] for p in load_prompts()] + [fim_bench.NAME, round_bench.NAME]
     for name in modes:
         if name not in MODES:
             raise EdgespecError(f"unknown bench mode '{name}'; use some of {', '.join(MODES)}")
@@ -83,7 +83,8 @@ def run_bench(
     prompts: Sequence[str] | None = None,
 ) -> dict:
     """modes: which of MODES to run ("off", the baseline, always runs); prompts: which
-    classes (default: all; fill-in-the-middle where the target has the tokens for it)."""
+    classes (default: all; fill-in-the-middle where the target has the tokens for it; the
+    Python per round, round_bench, only when named)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     check_selection(modes, prompts)
     if fim_bench.NAME in (prompts or ()):
@@ -115,6 +116,7 @@ def run_bench(
     fim = None
     if fim_bench.NAME in (prompts or ()) or (not prompts and not engine.target.fim.missing()):
         fim = fim_bench.run_fim(engine, [m for m in modes if m != "llama"], repeats, log)
+    rounds = round_bench.run_rounds(engine, repeats, log) if round_bench.NAME in (prompts or ()) else None
     return {
         "target": engine.target.path.name,
         "draft": draft_model.path.name if draft_model else None,
@@ -131,6 +133,7 @@ def run_bench(
         "rollback": _rollback(engine, verify_curve),
         "prompts": rows,
         "fim": fim,
+        "rounds": rounds,
     }
 
 
@@ -292,7 +295,7 @@ def print_report(report: dict) -> None:
         for role in ("target", "draft"):
             if steps := rollback.get(f"{role}_steps"):
                 line += f"; {role} checkpoint {steps['checkpoint']:.2f}, restore {steps['restore']:.2f} target steps"
-        print(line + "; a rejection also evaluates the kept tokens again")
+        print(line + "; after a rejection the kept tokens ride in the next pass")
     print(
         f"{'prompt':<15}{'mode':<7}{'tok/s':>8}{'vs off':>9}{'prefill':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
         f"{'E[n]':>7}  rounds"
@@ -323,3 +326,5 @@ def print_report(report: dict) -> None:
             )
     if report["fim"]:
         fim_bench.print_rows(report["fim"])
+    if report["rounds"]:
+        round_bench.print_rows(report["rounds"])

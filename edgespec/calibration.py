@@ -75,7 +75,7 @@ class Timer:
         if not model.tokens:
             model.eval([0] * PROBE_DEPTH)
             model.checkpoint(1)
-            model.eval([0], all_logits=True)  # warm-up: first decodes allocate
+            model.eval([0], rows=1)  # warm-up: first decodes allocate
             model.truncate(PROBE_DEPTH)
         base = len(model.tokens)
         if base + k > model.n_ctx:
@@ -84,7 +84,7 @@ class Timer:
         for _ in range(tries):
             model.checkpoint(k)  # (a recurrent state: timed apart, see measure_rollback)
             start = perf_counter()
-            model.eval(model.tokens[-1:] * k, all_logits=True)
+            model.eval(model.tokens[-1:] * k, rows=k)
             best = min(best, perf_counter() - start)
             model.truncate(base)
         return best

@@ -370,7 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
     b.add_argument("--llama-baseline", action="store_true", help="also time llama-cpp-python's Llama on the target")
     b.add_argument("--modes", help="comma-separated modes to run besides none (default: all)")
-    b.add_argument("--prompts", help="comma-separated prompt classes (default: all)")
+    b.add_argument(
+        "--prompts",
+        help="comma-separated prompt classes (default: all; 'rounds', the Python a round costs beside the"
+        " passes, only when named)",
+    )
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     b.set_defaults(func=cmd_bench)
     return parser

@@ -119,8 +119,9 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 class RollbackCost:
     """What a round costs beyond its passes on a model whose recurrent state cannot be cut
     back (model.Rollback): a checkpoint before the pass, and after a rejection a restore and
-    the kept tokens evaluated again. Passes of up to `snapshots` + 1 tokens need neither
-    (llama.cpp's snapshots; a draft model has none). Measured by calibration.measure_rollback."""
+    the kept tokens evaluated again, beside the next pass's own token (V(kept + 1) - V(1)).
+    Passes of up to `snapshots` + 1 tokens need neither (llama.cpp's snapshots; a draft model
+    has none). Measured by calibration.measure_rollback."""
 
     checkpoint_s: float
     restore_s: float
@@ -130,14 +131,14 @@ class RollbackCost:
         """The extra seconds of a round that verified `gamma` draft tokens and kept `accepted`."""
         if gamma <= self.snapshots:
             return 0.0
-        return self.checkpoint_s + (self.restore_s + V(accepted + 1) if accepted < gamma else 0.0)
+        return self.checkpoint_s + (self.restore_s + V(accepted + 2) - V(1) if accepted < gamma else 0.0)
 
     def expected(self, gamma: int, alpha: float, V: Callable[[int], float]) -> float:
         """of_round's expectation when each draft token is accepted with probability alpha
         (the first rejection at token i has probability alpha^i (1 - alpha))."""
         if gamma <= self.snapshots:
             return 0.0
-        rejected = sum(alpha**i * (1 - alpha) * (self.restore_s + V(i + 1)) for i in range(gamma))
+        rejected = sum(alpha**i * (1 - alpha) * (self.restore_s + V(i + 2) - V(1)) for i in range(gamma))
         return self.checkpoint_s + rejected
 
     def to_json(self) -> dict:

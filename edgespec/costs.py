@@ -171,7 +171,7 @@ class RoundCosts:
         planned = self.of_round(source, drafted, accepted)
         for kind in (source, ALL):
             self.live.setdefault(kind, LiveCost()).observe(timing.total, planned)
-        self._verify.observe(drafted + 1, timing.verify)
+        self._verify.observe(drafted + 1 + timing.rereads, timing.verify)
         if source is Source.MODEL and drafted and self._draft is not None:
             self._draft.observe(1, timing.draft / drafted)
 

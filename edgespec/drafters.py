@@ -18,7 +18,7 @@ import numpy as np
 from .grammar import MAX_FORCED_CHARS, Grammar
 from .model import Model
 from .modes import Source
-from .sampling import SamplingParams, constrained, constrained_argmax, distribution, sample
+from .sampling import Law, SamplingParams, constrained_argmax, constrained_law, law
 
 CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
 SOURCE_NAMES = (Source.COPY, Source.PREDICTION)  # what a copy draft reports as its source, per source
@@ -37,9 +37,9 @@ MIN_RENAME = 3  # shortest word whose renaming is carried over to the other toke
 @dataclass
 class Draft:
     tokens: list[int]
-    # (len(tokens), V) distributions the tokens were sampled from; None means each
-    # token is a point mass (deterministic drafts, and every greedy draft)
-    q: np.ndarray | None = None
+    # the laws the tokens were sampled from (one per token); None means each token is
+    # a point mass (deterministic drafts, and every greedy draft)
+    q: list[Law] | None = None
     source: Source = Source.MODEL  # which kind of drafter made it: acceptance is tracked per source
 
     def __post_init__(self) -> None:
@@ -79,7 +79,7 @@ class ModelDrafter:
 
     def __init__(self, model: Model, target_vocab: int) -> None:
         self.model = model
-        self.target_vocab = target_vocab  # q rows are padded to the target's vocabulary size
+        self.target_vocab = target_vocab  # drafts stay within the ids the target has
 
     def begin(self, prompt: list[int]) -> None:
         kept = self.model.sync(prompt)
@@ -95,7 +95,7 @@ class ModelDrafter:
         logits = model.eval(context[len(model.tokens) :])  # the tokens written since its last draft
         model.checkpoint()  # a recurrent state: the next round's sync comes back here
         tokens: list[int] = []
-        q_rows = None if params.greedy else np.zeros((n, self.target_vocab))  # padded to the target's vocab
+        q_rows: list[Law] | None = None if params.greedy else []  # the laws the tokens were drawn from
         p_all = 1.0  # the draft's own estimate that every token so far is accepted
         shared = min(model.n_vocab, self.target_vocab)  # token ids both vocabularies have
         while True:
@@ -104,14 +104,14 @@ class ModelDrafter:
                 # (without the grammar's mask: a hint is all it needs to be)
                 confidence = 1.0 / np.exp(logits - logits[token]).sum() if stop_below else 1.0
             else:
-                q = q_rows[len(tokens)]
-                if walk is None:
-                    q[:shared] = distribution(logits, params, model)[:shared]
-                    q /= q.sum()
-                else:
-                    q[:shared] = constrained(logits[:shared], params, walk.allows, model)
-                token = sample(q, rng.random())
-                confidence = q[token]
+                q = (
+                    law(logits[:shared], params, model)
+                    if walk is None
+                    else constrained_law(logits[:shared], params, walk.allows, model)
+                )
+                q_rows.append(q)
+                token = q.sample(rng.random())
+                confidence = q.prob(token)
             p_all *= confidence
             if len(tokens) < len(stop_below) and p_all < stop_below[len(tokens)]:
                 break  # not worth verifying: drop it (its draft step is already paid)

@@ -256,7 +256,7 @@ class Model:
         head = list(SNAPSHOT_PROBE[:2])
         try:
             self.eval(list(SNAPSHOT_PROBE))
-            if self._cut(len(head)) != len(head):  # refused: _cut fell back to the empty cache
+            if self.cut(len(head)) != len(head):  # refused: cut fell back to the empty cache
                 return False
             cut = np.array(self.eval(head[-1:]))
             self._clear()
@@ -365,11 +365,12 @@ class Model:
         checkpoint, then evaluate again what lies between it and n)."""
         if n < len(self.tokens):
             keep = self.tokens[:n]
-            self.eval(keep[self._cut(n) :])
+            self.eval(keep[self.cut(n) :])
 
-    def _cut(self, n: int) -> int:
+    def cut(self, n: int) -> int:
         """Cut the cache to at most n tokens, as close to n as this context can, without evaluating
-        anything; returns the length kept (see the module docstring)."""
+        anything; returns the length kept (see the module docstring): the caller evaluates the rest,
+        in its next pass."""
         if n >= len(self.tokens):
             return len(self.tokens)
         if not self.recurrent:
@@ -426,7 +427,7 @@ class Model:
         # a prompt of another conversation (a round discards fewer): keep what would be lost, bring back a better one
         if self.prompt_cache is not None and max(len(tokens) - 1, len(self.tokens)) - n >= MIN_TOKENS:
             n = self.prompt_cache.swap(self, tokens, n)
-        return self._cut(n)
+        return self.cut(n)
 
     def shares(self, tokens: list[int]) -> int:
         """How many of `tokens` (all but the last) the cache holds already."""
@@ -447,29 +448,30 @@ class Model:
         self.tokens[:] = tokens
         return True
 
-    def eval(self, tokens: list[int], *, all_logits: bool = False) -> np.ndarray | None:
+    def eval(self, tokens: list[int], *, rows: int | None = None) -> np.ndarray | None:
         """Append `tokens` to the cache in one forward pass (chunked by n_batch).
 
         Returns logits as a float32 view into llama.cpp's buffer, valid until the
-        next eval: shape (len(tokens), n_vocab) with all_logits, else the last
-        token's row (n_vocab,). Returns None for an empty list."""
+        next eval: shape (rows, n_vocab), the rows of the last `rows` tokens (all in
+        the last chunk), else the last token's row (n_vocab,). Returns None for an empty list."""
         if not tokens:
             return None
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise ContextFull(self.n_ctx)
-        if all_logits and len(tokens) > self.n_batch:
-            raise ValueError(f"all_logits needs at most n_batch={self.n_batch} tokens")
+        last_chunk = len(tokens) - (len(tokens) - 1) // self.n_batch * self.n_batch  # (earlier chunks' rows are gone)
+        if rows is not None and not 0 < rows <= last_chunk:
+            raise ValueError(f"rows must be 1..{last_chunk} for {len(tokens)} tokens, got {rows}")
+        first_row = len(tokens) - (rows or 1)  # the first token whose logits are made
         batch = self._batch
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
-            last_chunk = start + self.n_batch >= len(tokens)
             pos0 = len(self.tokens)
             for i, token in enumerate(chunk):
                 batch.token[i] = token
                 batch.pos[i] = pos0 + i
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
-                batch.logits[i] = all_logits or (last_chunk and i == len(chunk) - 1)
+                batch.logits[i] = start + i >= first_row
             batch.n_tokens = len(chunk)
             status = llama_cpp.llama_decode(self._ctx, batch)
             self._snapshot_pending = False
@@ -483,9 +485,9 @@ class Model:
                 )
             self._last_pass = len(chunk)
             self.tokens.extend(chunk)
-        if all_logits:
+        if rows is not None:
             ptr = llama_cpp.llama_get_logits(self._ctx)
-            return np.ctypeslib.as_array(ptr, shape=(len(tokens), self.n_vocab))
+            return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
 
     # --- lifetime ---------------------------------------------------------

@@ -19,10 +19,11 @@ from .model import ContextFull, Model
 from .modes import DraftMode
 from .request import Request
 from .sampling import (
+    Law,
     SamplingParams,
-    constrained,
     constrained_argmax,
-    distribution,
+    constrained_law,
+    law,
     position_uniforms,
     verify,
     verify_greedy,
@@ -65,7 +66,7 @@ class Run:
         self.cancelled = cancelled
         self.params: SamplingParams = request.sampling
         self.prompt = prompt
-        self.seq = list(prompt)  # prompt + output; the target's KV cache holds seq[:-1]
+        self.seq = list(prompt)  # prompt + output; the target's cache holds seq[:-1] (or less, see rounds)
         max_tokens = request.max_tokens
         self.limit = len(prompt) + max_tokens if max_tokens is not None else target.n_ctx + 1
         # the answer's randomness is a function of the seed and each token's position (see
@@ -174,10 +175,12 @@ class Run:
             # a recurrent state cannot be cut back: keep a way back before a pass that may be rejected
             if draft.tokens:
                 target.checkpoint(len(draft.tokens) + 1)
+            rereads = len(seq) - 1 - len(target.tokens)
             t_pass = perf_counter()
 
-            # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i)
-            logits = target.eval([seq[-1]] + draft.tokens, all_logits=True)
+            # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i); after a recurrent
+            # target's rollback its kept tokens come first (the cache holds seq[:-1], or less: see below)
+            logits = target.eval(seq[len(target.tokens) :] + draft.tokens, rows=len(draft.tokens) + 1)
             rows = TargetRows(logits, params, target, grammar, draft.tokens)
             if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
                 n, next_token = verify_greedy(draft.tokens, rows.argmax)
@@ -187,10 +190,12 @@ class Run:
             rows.advance(n, next_token)
             t2 = perf_counter()
 
-            # drop the rejected drafts from the target's cache (the drafter trims its own)
-            target.truncate(len(seq) + n)
+            # drop the rejected drafts from the target's cache (the drafter trims its own); a recurrent state may
+            # go back further, to its checkpoint: the kept tokens after it open the next pass, not one of their own
+            target.cut(len(seq) + n)
             seq += draft.tokens[:n] + [next_token]
-            timing = RoundTiming(draft=t1 - t0, verify=t2 - t_pass, rollback=(t_pass - t1) + (perf_counter() - t2))
+            rollback = (t_pass - t1) + (perf_counter() - t2)
+            timing = RoundTiming(draft=t1 - t0, verify=t2 - t_pass, rollback=rollback, rereads=rereads)
             report = controller.observe(plan, draft, n, timing, seq)
             self.stats.record(report, perf_counter() - t0)
             yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]
@@ -208,11 +213,11 @@ class TargetRows:
         self.logits, self.params, self.target, self.grammar, self.draft = logits, params, target, grammar, draft
         self.walked = 0  # draft tokens the grammar has taken
 
-    def p(self, i: int) -> np.ndarray:
+    def p(self, i: int) -> Law:
         if self.grammar is None:
-            return distribution(self.logits[i], self.params, self.target)
+            return law(self.logits[i], self.params, self.target)
         self._walk(i)
-        return constrained(self.logits[i], self.params, self.grammar.allows, self.target)
+        return constrained_law(self.logits[i], self.params, self.grammar.allows, self.target)
 
     def argmax(self, i: int) -> int:
         if self.grammar is None:

@@ -1,12 +1,15 @@
 """Probability math of speculative sampling: pure numpy, no llama.cpp.
 
-Target and draft go through the same `distribution()` so that p and q are the
-*final* sampling distributions (after top-k / top-p / min-p / temperature), which
-is what makes accept/resample exact (Leviathan et al. 2023, Chen et al. 2023).
+Target and draft go through the same `law()` so that p and q are the *final*
+sampling distributions (after top-k / top-p / min-p / temperature), which is what
+makes accept/resample exact (Leviathan et al. 2023, Chen et al. 2023). A law is
+kept on its support (a few dozen tokens with llama.cpp's default filters), found
+without sorting the vocabulary: a round's Python stays far below a GPU's step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -60,38 +63,145 @@ class Vocabulary(Protocol):
     def is_eog(self, token: int) -> bool: ...
 
 
-def distribution(logits: np.ndarray, params: SamplingParams, vocab: Vocabulary | None = None) -> np.ndarray:
-    """Final sampling distribution over the vocabulary (float64, sums to 1).
+SAMPLE_BLOCK = 4096  # Law.sample walks a large support in blocks of this many tokens
+
+
+@dataclass(frozen=True)
+class Law:
+    """A sampling distribution kept on its support: the token ids it can draw (ascending)
+    and their probabilities (summing to 1). With llama.cpp's default filters that is a few
+    dozen tokens, so verification never walks the whole vocabulary; a draw from it is the
+    dense distribution's (the same inverse CDF, in token order)."""
+
+    ids: np.ndarray  # int64, ascending, distinct
+    probs: np.ndarray  # float64, > 0
+
+    @classmethod
+    def of(cls, p: np.ndarray) -> Law:
+        """The law of a dense distribution p (need not be normalised)."""
+        ids = np.flatnonzero(p)
+        return cls(ids, p[ids] / p[ids].sum())
+
+    @classmethod
+    def point(cls, token: int) -> Law:
+        return cls(np.array([token]), np.ones(1))
+
+    def at(self, tokens: np.ndarray) -> np.ndarray:
+        """The probabilities of `tokens` (0 off the support)."""
+        where = np.minimum(np.searchsorted(self.ids, tokens), len(self.ids) - 1)
+        return np.where(self.ids[where] == tokens, self.probs[where], 0.0)
+
+    def prob(self, token: int) -> float:
+        return float(self.at(np.array([token]))[0])
+
+    def sample(self, u: float) -> int:
+        """The token that the uniform draw u in [0, 1) picks (inverse CDF in token order).
+        A support of many blocks is walked by its blocks' sums first (numpy's cumsum is
+        slow: 0.5 ms over 151k tokens), then within the one block the draw falls in."""
+        probs, start = self.probs, 0
+        target = u * probs.sum()
+        if len(probs) > SAMPLE_BLOCK:
+            blocks = np.cumsum(np.add.reduceat(probs, np.arange(0, len(probs), SAMPLE_BLOCK)))
+            b = min(int(np.searchsorted(blocks, target, side="right")), len(blocks) - 1)
+            start, target = b * SAMPLE_BLOCK, target - (blocks[b - 1] if b else 0.0)
+            probs = probs[start : start + SAMPLE_BLOCK]
+        cum = np.cumsum(probs)
+        return int(self.ids[start + min(int(np.searchsorted(cum, target, side="right")), len(cum) - 1)])
+
+    def dense(self, n: int) -> np.ndarray:
+        p = np.zeros(n)
+        p[self.ids] = self.probs
+        return p
+
+
+def law(logits: np.ndarray, params: SamplingParams, vocab: Vocabulary | None = None) -> Law:
+    """Final sampling distribution, on its support.
 
     Filters run in llama.cpp's default chain order: top-k, top-p, min-p on the
     untempered logits, then temperature on the survivors, then (params.infill, which
-    needs the model's `vocab`) the infill sampler."""
+    needs the model's `vocab`) the infill sampler. The vocabulary is never sorted
+    (see candidates())."""
     logits = np.asarray(logits)
     if params.greedy:
-        p = np.zeros(logits.shape[0])
-        p[int(np.argmax(logits))] = 1.0
-        return p
-    n = logits.shape[0]
-    k = params.top_k if 0 < params.top_k < n else n
-    # candidate ids; argpartition keeps this O(V) for small k, and only top-p needs them sorted
-    ids = np.argpartition(-logits, k - 1)[:k] if k < n else np.arange(n)
-    z = logits[ids].astype(np.float64)
-    if params.top_p < 1:
-        order = np.argsort(-z, kind="stable")
-        ids, z = ids[order], z[order]
-        w = np.exp(z - z[0])
-        # keep the smallest prefix whose mass reaches top_p (at least one token)
-        keep = int(np.searchsorted(np.cumsum(w) / w.sum(), params.top_p)) + 1
-        ids, z = ids[:keep], z[:keep]
+        return Law.point(int(np.argmax(logits)))
+    ids, z = candidates(logits, params)
     if params.min_p > 0:
         keep = np.exp(z - z.max()) >= params.min_p  # probability relative to the top token's
         ids, z = ids[keep], z[keep]
     w = np.exp((z - z.max()) / params.temperature)
     if params.infill:
         ids, w = infill(ids, w, vocab)
-    p = np.zeros(n)
-    p[ids] = w / w.sum()
-    return p
+    if not w.all():  # (a masked token's weight)
+        ids, w = ids[w > 0], w[w > 0]
+    if np.any(ids[1:] < ids[:-1]):
+        order = np.argsort(ids)
+        ids, w = ids[order], w[order]
+    return Law(ids, w / w.sum())
+
+
+def distribution(logits: np.ndarray, params: SamplingParams, vocab: Vocabulary | None = None) -> np.ndarray:
+    """law() over the whole vocabulary (float64, sums to 1)."""
+    return law(logits, params, vocab).dense(len(logits))
+
+
+FIRST_GAP = 8.0  # without top-k, survivors are first looked for this many logits below the top one, then twice as far
+BLOCK = 256  # top-k's threshold comes from the maxima of blocks of this many tokens
+
+
+def candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """What top-k and top-p leave of the vocabulary, as (ids, logits in float64); min-p and
+    temperature are law()'s. The vocabulary is never sorted, and read in two vectorised passes.
+
+    Top-k: the k-th largest of the blocks' maxima is a threshold that at least k tokens reach
+    (the k blocks' own maxima), so top-k's set is among the tokens that reach it: a few dozen
+    more than k, where a threshold by a fixed gap from the top may take a few or thousands.
+    Without top-k: the tokens within a gap of the top one, the gap doubling until a prefix by
+    descending logit reaches top-p's mass (normalised over the whole vocabulary: one more pass).
+    Only top-p sorts, and only these. Below min-p's floor nothing survives, so neither search
+    goes lower, unless top-p must normalise over all of top-k's set."""
+    n = len(logits)
+    maxima = np.maximum.reduceat(logits, np.arange(0, n, BLOCK))
+    top = float(maxima.max())
+    k = params.top_k if 0 < params.top_k < n else n
+    top_p = params.top_p < 1
+    floor = top + math.log(params.min_p) if params.min_p > 0 else -math.inf
+    if k < n:
+        reached = float(np.partition(maxima, len(maxima) - k)[len(maxima) - k]) if len(maxima) >= k else -math.inf
+        ids = np.flatnonzero(logits >= (reached if top_p else max(reached, floor)))
+        if len(ids) > k:
+            ids = ids[np.argpartition(-logits[ids], k - 1)[:k]]
+        z = logits[ids].astype(np.float64)
+        if not top_p:
+            return ids, z
+        ids, z, _ = _top_p_prefix(ids, z, top, params.top_p, float(np.exp(z - top).sum()))
+        return ids, z
+    if not top_p:
+        ids = np.flatnonzero(logits >= floor)
+        return ids, logits.astype(np.float64) if len(ids) == n else logits[ids].astype(np.float64)
+    total = float(np.exp(logits - top, dtype=np.float64).sum())  # top-p's normaliser: the whole vocabulary
+    lowest = float(np.min(logits, where=np.isfinite(logits), initial=top))
+    gap = FIRST_GAP
+    while True:
+        threshold = max(top - gap, floor)
+        ids = np.flatnonzero(logits >= threshold)
+        ids, z, reached = _top_p_prefix(ids, logits[ids].astype(np.float64), top, params.top_p, total)
+        if reached or threshold <= max(floor, lowest):
+            return ids, z
+        gap *= 2
+
+
+def _top_p_prefix(
+    ids: np.ndarray, z: np.ndarray, top: float, top_p: float, total: float
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The candidates by descending logit, cut after the smallest prefix whose weights
+    exp(z - top) reach top_p of `total`; all of them, and False, where they do not."""
+    order = np.argsort(-z, kind="stable")
+    ids, z = ids[order], z[order]
+    mass = np.cumsum(np.exp(z - top)) / total
+    if mass[-1] < top_p:
+        return ids, z, False
+    keep = int(np.searchsorted(mass, top_p)) + 1
+    return ids[:keep], z[:keep], True
 
 
 def infill(ids: np.ndarray, w: np.ndarray, vocab: Vocabulary) -> tuple[np.ndarray, np.ndarray]:
@@ -146,25 +256,27 @@ Allows = Callable[[np.ndarray], np.ndarray]  # token ids -> which of them a gram
 FIRST_LOOK = 256  # a grammar is asked about this many of the likeliest tokens first
 
 
-def constrained(
-    logits: np.ndarray, params: SamplingParams, allows: Allows, vocab: Vocabulary | None = None
-) -> np.ndarray:
+def constrained_law(logits: np.ndarray, params: SamplingParams, allows: Allows, vocab: Vocabulary | None = None) -> Law:
     """The law under a grammar: p_g ∝ p·1[allowed], p the final distribution (so top-k,
     top-p, min-p and temperature act as without a grammar, then what the grammar forbids
     is removed). Where the grammar forbids all of p's support, p_g is the distribution of
     the allowed tokens' logits alone. Only p's support is checked against the grammar,
     which is cheap (a full vocabulary takes llama.cpp 10-200 ms), unless that fallback is needed."""
-    p = distribution(logits, params, vocab)
-    support = np.flatnonzero(p)
-    kept = support[allows(support)]
-    if len(kept):
-        p_g = np.zeros_like(p)
-        p_g[kept] = p[kept]
-        return p_g / p_g.sum()
+    p = law(logits, params, vocab)
+    kept = allows(p.ids)
+    if kept.any():
+        return Law(p.ids[kept], p.probs[kept] / p.probs[kept].sum())
     ids = allowed_top(logits, allows, 1 if params.greedy else params.top_k)
     masked = np.full(len(logits), -np.inf)
     masked[ids] = logits[ids]
-    return distribution(masked, params, vocab)
+    return law(masked, params, vocab)
+
+
+def constrained(
+    logits: np.ndarray, params: SamplingParams, allows: Allows, vocab: Vocabulary | None = None
+) -> np.ndarray:
+    """constrained_law() over the whole vocabulary."""
+    return constrained_law(logits, params, allows, vocab).dense(len(logits))
 
 
 def constrained_argmax(logits: np.ndarray, allows: Allows) -> int:
@@ -199,49 +311,63 @@ class GrammarDeadEnd(EdgespecError):
         super().__init__("the grammar allows no token after the answer so far: it cannot be completed; fix it")
 
 
-def sample(p: np.ndarray, u: float) -> int:
-    """The token id that the uniform draw u in [0, 1) picks from the distribution p
-    (inverse CDF; p need not be normalised)."""
-    cum = np.cumsum(p)
-    return int(min(np.searchsorted(cum, u * cum[-1], side="right"), len(p) - 1))
-
-
 def position_uniforms(seed: int, start: int, count: int) -> np.ndarray:
     """(count, 2) uniform draws for the sequence positions start, start+1, ...: column 0
     decides a draft token's acceptance, column 1 draws a token. They depend only on the
-    seed and the position, so a seeded answer is the same however it was drafted."""
-    return np.array([np.random.default_rng([seed, position]).random(2) for position in range(start, start + count)])
+    seed and the position, so a seeded answer is the same however it was drafted: a
+    counter-based generator, SplitMix64's finaliser of (seed, position, column), 53 bits
+    each (a numpy Generator per position cost 10 µs, a tenth of a GPU round's budget)."""
+    key = _splitmix(seed & MASK64)
+    return np.array(
+        [
+            [(_splitmix(_splitmix(key ^ position) ^ column) >> 11) * 2.0**-53 for column in (0, 1)]
+            for position in range(start, start + count)
+        ]
+    )
 
 
-def acceptance_probability(p: np.ndarray, q: np.ndarray | None, x: int) -> float:
+MASK64 = 2**64 - 1
+
+
+def _splitmix(x: int) -> int:
+    """SplitMix64's step and finaliser, on 64-bit unsigned integers."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def acceptance_probability(p: Law, q: Law | None, x: int) -> float:
     """min(1, p(x)/q(x)); a deterministic draft (q None) is the point mass δx."""
-    q_x = 1.0 if q is None else q[x]
-    return min(1.0, p[x] / q_x) if q_x > 0 else 0.0
+    q_x = 1.0 if q is None else q.prob(x)
+    return min(1.0, p.prob(x) / q_x) if q_x > 0 else 0.0
 
 
-def residual_distribution(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
-    """norm(max(p - q, 0)): where the next token comes from after x is rejected."""
+def residual(p: Law, q: Law | None, x: int) -> Law:
+    """norm(max(p - q, 0)), on the union of the two supports: where the next token comes
+    from after x is rejected."""
     if q is None:
-        r = p.copy()
-        r[x] = 0.0  # max(p - δx, 0): x removed
+        ids, r = p.ids, np.where(p.ids == x, 0.0, p.probs)  # max(p - δx, 0): x removed
     else:
-        r = np.maximum(p - q, 0.0)
-    total = r.sum()
+        ids = np.union1d(p.ids, q.ids)
+        r = np.maximum(p.at(ids) - q.at(ids), 0.0)
+    kept = r > 0
+    total = r[kept].sum()
     # total == 0 only if p == q up to rounding, where rejection has probability ~0: any draw from p is exact
-    return r / total if total > 0 else p
+    return Law(ids[kept], r[kept] / total) if total > 0 else p
 
 
 def verify(
     draft: Sequence[int],
-    q_rows: np.ndarray | None,
-    p_row: Callable[[int], np.ndarray],
+    q_rows: Sequence[Law] | None,
+    p_row: Callable[[int], Law],
     uniforms: np.ndarray,
 ) -> tuple[int, int]:
     """Accept a draft left to right; return (number accepted, next token).
 
-    draft: γ proposed token ids. q_rows: (γ, V) draft distributions, or None for a
-    deterministic draft (point masses). p_row(i): the target's distribution (V,) at
-    row i, conditioned on the context plus draft[:i]; asked for i = 0, 1, ... in order,
+    draft: γ proposed token ids. q_rows: the γ draft laws they were drawn from, or
+    None for a deterministic draft (point masses). p_row(i): the target's law at row
+    i, conditioned on the context plus draft[:i]; asked for i = 0, 1, ... in order,
     only as far as verification goes. uniforms: (γ+1, 2) draws for those positions
     (see position_uniforms).
 
@@ -257,11 +383,11 @@ def verify(
         u_accept, u_draw = uniforms[i]
         p = p_row(i)
         if q_rows is None:
-            if (token := sample(p, u_draw)) != x:
+            if (token := p.sample(u_draw)) != x:
                 return i, token
         elif u_accept >= acceptance_probability(p, q_rows[i], x):
-            return i, sample(residual_distribution(p, q_rows[i], x), u_draw)
-    return len(draft), sample(p_row(len(draft)), uniforms[len(draft)][1])
+            return i, residual(p, q_rows[i], x).sample(u_draw)
+    return len(draft), p_row(len(draft)).sample(uniforms[len(draft)][1])
 
 
 def verify_greedy(draft: Sequence[int], target_argmax: Callable[[int], int]) -> tuple[int, int]:

@@ -66,7 +66,8 @@ class RoundTiming:
 
     draft: float  # making the draft
     verify: float  # the target's batched pass, accept/resample
-    rollback: float = 0.0  # on a recurrent target: its checkpoint, and after a rejection, restore and re-evaluation
+    rollback: float = 0.0  # on a recurrent target: its checkpoint, and after a rejection, its restore
+    rereads: int = 0  # tokens a restore left to this round's pass, beside its own (they were kept, then cut)
 
     @property
     def total(self) -> float:

@@ -21,6 +21,7 @@ Reports, as JSON and Markdown under --out:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -28,18 +29,20 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 from gpu_models import SEEDS, WRITTEN
 
 import edgespec
-from edgespec import Request, SamplingParams, Stats, calibration
+from edgespec import Request, SamplingParams, calibration
 from edgespec.bench import mode_rows, run_modes
 from edgespec.engine import Engine
 from edgespec.modes import AUTO
 from edgespec.prompt_cache import common_prefix
+from edgespec.round_bench import python_per_round
+from edgespec.sampling import Law, law
 
 PROMPTS = (
     "Write a Python function that merges two sorted lists into one sorted list.",
@@ -134,73 +137,115 @@ def costs(engine: Engine) -> dict:
     }
 
 
-class PassClock:
-    """Seconds spent inside one model's forward passes (its eval, the logits read included: on
-    a GPU that is where the pass is waited for)."""
-
-    def __init__(self, model) -> None:
-        self.seconds = 0.0
-        self.model = model
-        plain = model.eval
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return plain(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        model.eval = timed
-
-    def stop(self) -> None:
-        """The model's own eval again (a model may be another's draft too: clocks must not stack)."""
-        del self.model.eval
-
-
 def python_share(engines: dict[str, Engine], max_tokens: int) -> list[dict]:
-    """Where a round's time goes, greedy and sampled: the passes, and the Python work around
-    them, per round, against the target's single step. Rounds of the target alone, of auto
-    (with the unrelated draft model: it drafts nothing), and of the draft model drafting 4
+    """Where a round's time goes, greedy and sampled (round_bench): rounds of the target alone,
+    of auto (with the unrelated draft model: it drafts nothing), and of the draft model drafting 4
     tokens that are all accepted (the draft model is the target): the most Python a round has."""
     cases = (("off", "random-draft", AUTO), ("auto", "random-draft", AUTO), ("model", "draft-is-target", 4))
-    steps = {name: engine.costs.curve(engine.target)(1) for name, engine in engines.items()}  # (rounds move the curves)
     rows = []
     for params, label in ((GREEDY, "greedy"), (SAMPLED, "sampled")):
         for mode, name, gamma in cases:
-            engine = engines[name]
-            target, draft = PassClock(engine.target), PassClock(engine.draft_model)
-            engine.forget()
             request = Request(PROMPTS[0], params, max_tokens=max_tokens, draft_mode=mode, gamma=gamma)
-            engine.generate(replace(request, max_tokens=8))  # the prefill, not counted
-            target.seconds = draft.seconds = 0.0
-            stats = engine.generate(request).stats
-            target.stop()
-            draft.stop()
-            rows.append(_share(label, f"{mode} γ={gamma}", stats, target.seconds, draft.seconds, steps[name]))
+            rows.append({"sampling": label} | python_per_round(engines[name], request, f"{mode} γ={gamma}"))
     return rows
 
 
-def _share(label: str, mode: str, stats: Stats, decode_target: float, draft_s: float, step: float) -> dict:
-    """decode_target, draft_s: the seconds of the models' passes (the prompt was cached: all of them in rounds)."""
-    rounds = max(stats.rounds, 1)
-    python = max(stats.rounds_s - decode_target - draft_s, 0.0)
-    sampling = max(stats.verify_s - decode_target, 0.0)
-    drafting = max(stats.draft_s - draft_s, 0.0)
-    return {
-        "sampling": label,
-        "mode": mode,
-        "rounds": stats.rounds,
-        "tokens_per_s": round(stats.tokens_per_s, 1),
-        "round_ms": round(1e3 * stats.rounds_s / rounds, 3),
-        "target_passes_ms": round(1e3 * decode_target / rounds, 3),
-        "draft_passes_ms": round(1e3 * draft_s / rounds, 3),
-        "python_ms": round(1e3 * python / rounds, 3),
-        "python_share": round(python / stats.rounds_s, 3) if stats.rounds_s else 0.0,
-        "python_in_target_steps": round(python / rounds / step, 3),
-        "of_which_sampling_ms": round(1e3 * sampling / rounds, 3),
-        "of_which_planning_and_drafting_ms": round(1e3 * drafting / rounds, 3),
-        "of_which_rest_ms": round(1e3 * max(python - sampling - drafting, 0.0) / rounds, 3),
-    }
+def backend_sampling(path: Path, gpu_layers: int, tries: int = 20) -> dict:
+    """llama.cpp's backend samplers (experimental; llama_cpp 0.3.36 has them): a context whose
+    outputs are each row's top-k candidates (ids and logits), chosen where the model runs, so
+    that whole rows of logits are neither copied back nor searched, against a context that
+    returns whole rows. Exact for us wherever top-k is on: law() on a row's top-k candidates is
+    its law on the vocabulary. For a single-token pass (a draft step, a plain step) and a verify
+    pass of 5 tokens: whether llama.cpp takes it, the pass with its laws each way (median of
+    `tries`, alternating), and whether the candidates give the rows' own laws."""
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.n_gpu_layers = gpu_layers
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(SAMPLED.top_k))
+    configs = (llama_cpp.llama_sampler_seq_config * 1)()
+    configs[0].seq_id, configs[0].sampler = 0, ctypes.cast(chain, ctypes.c_void_p)
+    prefix = (llama_cpp.llama_token * 16)(*range(100, 116))  # a cache to attend to
+
+    def context(backend: bool):
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 256, 64, 64, 1
+        if backend:
+            params.samplers, params.n_samplers = configs, 1
+        ctx = llama_cpp.llama_init_from_model(model, params)
+        if not ctx or llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(prefix, len(prefix))) != 0:
+            raise RuntimeError("llama.cpp made no context with a backend sampler, or it could not read a prompt")
+        return ctx
+
+    def timed_pass(ctx, rows: int, read) -> tuple[float, list]:
+        batch = llama_cpp.llama_batch_init(rows, 0, 1)
+        for i in range(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = 200 + i, len(prefix) + i, 1, True
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = rows
+        start = time.perf_counter()
+        status = llama_cpp.llama_decode(ctx, batch)
+        laws = read(ctx, rows) if status == 0 else None
+        seconds = time.perf_counter() - start
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, len(prefix), -1)
+        if status != 0:
+            raise RuntimeError(f"llama_decode refused a pass of {rows} tokens, all with outputs (status {status})")
+        return seconds, laws
+
+    def whole_rows(ctx, rows: int) -> list:
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(rows, n_vocab))
+        return [law(row, SAMPLED) for row in logits]
+
+    def candidates(ctx, rows: int) -> list:
+        laws = []
+        for i in range(rows):
+            n = llama_cpp.llama_get_sampled_candidates_count_ith(ctx, i)
+            if n == 0 or n != llama_cpp.llama_get_sampled_logits_count_ith(ctx, i):
+                raise RuntimeError(f"row {i} came back with {n} candidates")
+            ids = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_candidates_ith(ctx, i), shape=(n,))
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_logits_ith(ctx, i), shape=(n,))
+            local = law(logits, SAMPLED)  # over the candidates' own indices
+            tokens = ids[local.ids].astype(np.int64)
+            order = np.argsort(tokens)
+            laws.append(Law(tokens[order], local.probs[order]))
+        return laws
+
+    def measure(contexts, rows: int) -> dict:
+        try:
+            times: dict[str, list[float]] = {"whole_rows": [], "backend_top_k": []}
+            for _ in range(tries):
+                seconds, plain = timed_pass(contexts[0], rows, whole_rows)
+                times["whole_rows"].append(seconds)
+                seconds, sampled = timed_pass(contexts[1], rows, candidates)
+                times["backend_top_k"].append(seconds)
+        except RuntimeError as error:  # (0.3.36 logs why: backend sampling takes one output per sequence)
+            return {"rows": rows, "works": False, "why": str(error)}
+        same = all(
+            np.array_equal(a.ids, b.ids) and np.allclose(a.probs, b.probs, atol=1e-3)
+            for a, b in zip(plain, sampled, strict=True)
+        )
+        medians = {name: float(np.median(t)) for name, t in times.items()}
+        return {
+            "rows": rows,
+            "works": True,
+            "exact": same,
+            "pass_ms": {name: round(1e3 * t, 3) for name, t in medians.items()},
+            "saves_ms": round(1e3 * (medians["whole_rows"] - medians["backend_top_k"]), 3),
+        }
+
+    contexts = []
+    try:
+        contexts = [context(False), context(True)]
+        return {"top_k": SAMPLED.top_k, "passes": [measure(contexts, rows) for rows in (1, 5)]}
+    except RuntimeError as error:
+        return {"top_k": SAMPLED.top_k, "passes": [], "why": str(error)}
+    finally:
+        for ctx in contexts:
+            llama_cpp.llama_free(ctx)
+        llama_cpp.llama_sampler_free(chain)
+        llama_cpp.llama_model_free(model)
 
 
 def known_alpha_rows(engines: dict[str, Engine], max_tokens: int, repeats: int, log) -> list[dict]:
@@ -285,7 +330,7 @@ def _equality(report: dict) -> list[str]:
 def _python_share(report: dict) -> list[str]:
     columns = {
         "sampling": "sampling",
-        "mode": "mode",
+        "case": "mode",
         "tokens_per_s": "tok/s",
         "round_ms": "round ms",
         "target_passes_ms": "target ms",
@@ -322,7 +367,30 @@ def _known_alpha(report: dict) -> list[str]:
     return _table("Known acceptance (speed against the target alone, same process, median of repeats)", columns, rows)
 
 
-SECTIONS = {"costs": _costs, "greedy_equality": _equality, "python_share": _python_share, "known_alpha": _known_alpha}
+def _backend_sampling(report: dict) -> list[str]:
+    b = report["backend_sampling"]
+    lines = [f"## llama.cpp's backend samplers (top-{b['top_k']} on the backend, the rest of the chain ours)"]
+    if not b["passes"]:
+        return lines + [f"do not work here: {b['why']}"]
+    for p in b["passes"]:
+        if not p["works"]:
+            lines.append(f"- a pass of {p['rows']} tokens: {p['why']}")
+            continue
+        lines.append(
+            f"- a pass of {p['rows']} tokens with its laws: {p['pass_ms']['whole_rows']} ms reading whole rows,"
+            f" {p['pass_ms']['backend_top_k']} ms reading the candidates (saves {p['saves_ms']} ms);"
+            f" the same laws: {p['exact']}"
+        )
+    return lines
+
+
+SECTIONS = {
+    "costs": _costs,
+    "greedy_equality": _equality,
+    "python_share": _python_share,
+    "backend_sampling": _backend_sampling,
+    "known_alpha": _known_alpha,
+}
 
 
 def main() -> int:
@@ -364,12 +432,13 @@ def main() -> int:
     save("greedy_equality", greedy_equality(engines, args.max_tokens))
     shares = python_share(engines, args.max_tokens)
     report["python_is_large"] = "; ".join(
-        f"{r['sampling']} {r['mode']}: {r['python_ms']} ms a round, {r['python_share']:.0%} of it,"
+        f"{r['sampling']} {r['case']}: {r['python_ms']} ms a round, {r['python_share']:.0%} of it,"
         f" {r['python_in_target_steps']} target steps"
         for r in shares
         if r["python_share"] >= PYTHON_LARGE
     )
     save("python_share", shares)
+    save("backend_sampling", backend_sampling(paths["target"], args.gpu_layers))
     save("known_alpha", known_alpha_rows(engines, args.max_tokens, args.repeats, log))
     for engine in engines.values():
         engine.close()

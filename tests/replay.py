@@ -70,7 +70,7 @@ def record(engine: Engine, classes: list[str] | None = None, max_tokens: int = M
             answer.append(engine.target.eos)  # (the loop does not hand out the end it stopped at)
         draft_model.truncate(0)
         draft_model.eval(tokens[:-1])
-        logits = draft_model.eval(tokens[-1:] + answer[:-1], all_logits=True)
+        logits = draft_model.eval(tokens[-1:] + answer[:-1], rows=len(answer))
         best = logits.argmax(axis=1)
         shifted = logits - logits.max(axis=1, keepdims=True)
         confidence = 1.0 / np.exp(shifted).sum(axis=1)

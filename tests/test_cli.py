@@ -94,6 +94,23 @@ def test_bench_fim_on_a_model_without_fim_tokens_is_one_line(capsys, smollm2_pat
     assert_one_line_error(code, err, "no fill-in-the-middle tokens", "Qwen2.5-Coder")
 
 
+def test_bench_rounds_prices_the_python_of_a_round(capsys, smollm2_path):
+    """`--prompts rounds`: the four cases, each with rounds, passes and the Python beside them; the
+    copy from the answer itself is all accepted (a seeded answer does not depend on drafting)."""
+    code, out, err = run(capsys, "bench", *SMALL, "--prompts", "rounds", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["prompts"] == [] and report["rounds"]["vocabulary"] == 49152
+    cases = {row["case"]: row for row in report["rounds"]["cases"]}
+    assert list(cases) == ["greedy plain", "sampled plain", "sampled model γ=4", "sampled copy γ=4"]
+    for row in cases.values():
+        assert row["rounds"] > 0 and row["target_passes_ms"] > 0 and 0 < row["python_ms"] < row["round_ms"]
+    assert cases["sampled model γ=4"]["draft_passes_ms"] > 0 == cases["sampled plain"]["draft_passes_ms"]
+    assert cases["sampled copy γ=4"]["rounds"] * 3 < cases["sampled plain"]["rounds"]  # copies of ~5 tokens a round
+    code, out, err = run(capsys, "bench", *SMALL, "--prompts", "rounds")
+    assert code == 0 and "Python per round beside the passes (49152-token vocabulary)" in out, err
+
+
 def test_prompt_longer_than_context(capsys, smollm2_path):
     code, _, err = run(capsys, "generate", "word " * 800, *SMALL)
     assert_one_line_error(code, err, "context holds 512", "--ctx")

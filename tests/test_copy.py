@@ -181,7 +181,7 @@ def target_probabilities(engine: Engine, tokens: list[int], params: SamplingPara
     """p for the next token after `tokens`, from a batch shaped like a verify batch."""
     target = engine.target
     target.eval(tokens[target.sync(tokens) : -1])
-    return distribution(target.eval([tokens[-1]] * width, all_logits=True)[0], params)
+    return distribution(target.eval([tokens[-1]] * width, rows=width)[0], params)
 
 
 def chi_square_pvalue(counts: np.ndarray, p: np.ndarray, runs: int) -> float:

@@ -6,13 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
 from conftest import assert_greedy_match
 from scipy import stats as scipy_stats
 
 import edgespec
-from edgespec import Draft, DraftMode, EdgespecError, Engine, Model, Request, SamplingParams
+from edgespec import Draft, DraftMode, EdgespecError, Engine, Model, ModelDrafter, Request, SamplingParams
+from edgespec.loader import resolve_model
 from edgespec.sampling import distribution
 
 PROMPTS = [
@@ -76,18 +78,14 @@ def test_bad_drafter_sampled_mode_is_reproducible(smollm2):
     assert first.tokens == second.tokens and first.stats.n_tokens == 24
 
 
-@pytest.mark.slow
-def test_first_token_distribution_matches_target(requant_engine):
-    """Sampled mode: the first generated token over 2000 runs follows the target's
-    exact distribution (chi-square), through draft + accept/resample."""
-    engine, gamma, runs = requant_engine, 3, 2000
-    prompt = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSure! My favourite animal is the"
-    params = dict(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0)
+def assert_first_token_law(engine: Engine, prompt: str, params: dict, gamma: int, runs: int) -> None:
+    """The first generated token over `runs` seeded runs follows the target's exact law
+    (chi-square), through draft + accept/resample: both paths must be taken."""
     tokens = engine.prompt_tokens(prompt, raw=True)
     # the target's probabilities for that position, from a batch shaped like a verify batch
     target = engine.target
     target.eval(tokens[target.sync(tokens) : -1])
-    logits = target.eval([tokens[-1]] + [tokens[-1]] * gamma, all_logits=True)[0]
+    logits = target.eval([tokens[-1]] + [tokens[-1]] * gamma, rows=gamma + 1)[0]
     p = distribution(logits, SamplingParams(**params))
     counts: dict[int, int] = {}
     sources = set()
@@ -108,7 +106,48 @@ def test_first_token_distribution_matches_target(requant_engine):
     exp = np.r_[expected[big], expected[~big].sum()]
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
-    assert scipy_stats.chisquare(obs, exp).pvalue > 0.01
+    assert len(exp) >= 3 and scipy_stats.chisquare(obs, exp).pvalue > 0.01
+
+
+ANIMAL = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSure! My favourite animal is the"
+
+
+@pytest.mark.slow
+def test_first_token_distribution_matches_target(requant_engine):
+    """Sampled mode, top-k 20: SmolLM2 drafted by its Q4_0 copy (q != p)."""
+    assert_first_token_law(requant_engine, ANIMAL, dict(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0), 3, 2000)
+
+
+@pytest.mark.slow
+def test_first_token_distribution_without_any_filter(requant_engine):
+    """No filter (top-k 0, top-p 1, min-p 0): p and q over the whole vocabulary, each a full softmax."""
+    assert_first_token_law(requant_engine, ANIMAL, dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), 3, 2000)
+
+
+@pytest.fixture(scope="module")
+def gemma_requant_engine(tmp_path_factory):
+    """gemma-3-270m (a 262,144-token vocabulary) drafted by its own Q4_0 re-quantization."""
+    path = resolve_model("gemma-3-270m")
+    out = tmp_path_factory.mktemp("gemma") / "gemma-q4_0.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, True, 2
+    assert llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), params) == 0
+    target_model = Model(path, n_ctx=512)
+    draft = Model(out, n_ctx=512)
+    yield Engine(target_model, ModelDrafter(draft, target_model.n_vocab), gamma=3, draft_mode="model")
+    draft.close()
+    target_model.close()
+
+
+@pytest.mark.slow
+def test_first_token_distribution_on_a_262k_vocabulary(gemma_requant_engine):
+    """llama.cpp's default chain on gemma-3-270m's 262,144 tokens: the candidates found without
+    sorting the vocabulary, the residual on the union of two candidate sets."""
+    assert gemma_requant_engine.target.n_vocab == 262_144
+    prompt = "<start_of_turn>user\nName an animal.<end_of_turn>\n<start_of_turn>model\nMy favourite animal is the"
+    assert_first_token_law(
+        gemma_requant_engine, prompt, dict(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05), 3, 1500
+    )
 
 
 def test_raw_and_chat_prompts(self_engine):
@@ -171,8 +210,6 @@ def test_end_of_generation_stops(self_engine):
 @pytest.mark.slow
 def test_context_full_and_prompt_too_long(smollm2_path):
     target, draft = Model(smollm2_path, n_ctx=64), Model(smollm2_path, n_ctx=64)
-    from edgespec import ModelDrafter
-
     with Engine(
         target, ModelDrafter(draft, target.n_vocab), gamma=4, draft_mode="model", owned=[target, draft]
     ) as engine:

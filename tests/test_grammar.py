@@ -106,7 +106,7 @@ def constrained_law(engine: Engine, tokens: list[int], grammar: Grammar, params,
     """p_g after `tokens`, from a batch shaped like a verify batch."""
     target = engine.target
     target.eval(tokens[target.sync(tokens) : -1])
-    return constrained(target.eval([tokens[-1]] * width, all_logits=True)[0], params, grammar.allows)
+    return constrained(target.eval([tokens[-1]] * width, rows=width)[0], params, grammar.allows)
 
 
 PARAMS = dict(temperature=1.0, top_k=8, top_p=1.0, min_p=0.0)

@@ -26,7 +26,7 @@ BATCHED = """
 import sys, edgespec
 model = edgespec.Model(sys.argv[1], n_ctx=256)
 model.eval(list(range(100, 124)))
-logits = model.eval([model.tokens[-1]] * 16, all_logits=True)
+logits = model.eval([model.tokens[-1]] * 16, rows=16)
 assert logits.shape == (16, model.n_vocab)
 with edgespec.load(target=sys.argv[1], draft=sys.argv[1], n_ctx=256) as engine:
     result = engine.generate("Count to five.", temperature=0, max_tokens=12, draft_mode="model", gamma=4)
@@ -72,7 +72,7 @@ def test_crashing_repacked_kernels_load_without_repacking(fresh_store, monkeypat
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("edgespec:")]
     assert len(lines) == 1 and "crashed (SIGSEGV)" in lines[0] and "weights not repacked" in lines[0], err
-    assert model.eval(list(range(100, 120)), all_logits=True).shape == (20, model.n_vocab)
+    assert model.eval(list(range(100, 120)), rows=20).shape == (20, model.n_vocab)
     model.close()
 
     again = Model(smollm2_path, n_ctx=128)  # remembered: no second probe, no second notice

@@ -8,11 +8,11 @@ from scipy import stats as scipy_stats
 
 from edgespec import EdgespecError, SamplingParams
 from edgespec.sampling import (
+    Law,
     acceptance_probability,
     distribution,
     position_uniforms,
-    residual_distribution,
-    sample,
+    residual,
     verify,
     verify_greedy,
 )
@@ -31,11 +31,12 @@ def output_distribution(p: np.ndarray, q: np.ndarray | None, draft_token: int | 
     """Exact distribution of the token one verification step emits: draw x ~ q
     (or take the deterministic x), accept w.p. a(x), else draw from the residual."""
     out = np.zeros_like(p)
+    p_law, q_law = Law.of(p), None if q is None else Law.of(q)
     xs = [(draft_token, 1.0)] if q is None else [(x, q[x]) for x in np.flatnonzero(q)]
     for x, q_x in xs:
-        a = acceptance_probability(p, q, x)
+        a = acceptance_probability(p_law, q_law, x)
         out[x] += q_x * a
-        out += q_x * (1 - a) * residual_distribution(p, q, x)
+        out += q_x * (1 - a) * residual(p_law, q_law, x).dense(len(p))
     return out
 
 
@@ -78,10 +79,10 @@ def test_verify_monte_carlo_two_tokens():
             draft, q_rows = [], []
             for _ in range(2):
                 q = q_table[ctx + tuple(draft)] if len(ctx) + len(draft) < 2 else random_dist(v, rng=rng)
-                draft.append(sample(q, rng.random()))
-                q_rows.append(q)
-            p_rows = [p_table.get(ctx + tuple(draft[:i]), np.full(v, 1 / v)) for i in range(3)]
-            k, nxt = verify(draft, np.array(q_rows), np.array(p_rows).__getitem__, rng.random((3, 2)))
+                draft.append(Law.of(q).sample(rng.random()))
+                q_rows.append(Law.of(q))
+            p_rows = [Law.of(p_table.get(ctx + tuple(draft[:i]), np.full(v, 1 / v))) for i in range(3)]
+            k, nxt = verify(draft, q_rows, p_rows.__getitem__, rng.random((3, 2)))
             out += draft[:k] + [nxt]
         counts[out[0], out[1]] += 1
     expected = np.array([[p_table[()][a] * p_table[(a,)][b] for b in range(v)] for a in range(v)]) * n
@@ -91,7 +92,7 @@ def test_verify_monte_carlo_two_tokens():
 def test_sample_follows_distribution():
     rng = np.random.default_rng(2)
     p = np.array([0.5, 0.0, 0.3, 0.2, 0.0])
-    draws = np.bincount([sample(p, rng.random()) for _ in range(20000)], minlength=5)
+    draws = np.bincount([Law.of(p).sample(rng.random()) for _ in range(20000)], minlength=5)
     assert draws[1] == draws[4] == 0
     assert scipy_stats.chisquare(draws[[0, 2, 3]], p[[0, 2, 3]] * 20000).pvalue > 0.01
 
@@ -102,9 +103,9 @@ def test_point_mass_verification_is_the_plain_draw_at_each_position():
     out are those sampling without a draft would give with the same uniforms."""
     rng = np.random.default_rng(3)
     for _ in range(200):
-        p_rows = np.array([random_dist(6, rng=rng) for _ in range(4)])
+        p_rows = [Law.of(random_dist(6, support=4, rng=rng)) for _ in range(4)]
         uniforms = rng.random((4, 2))
-        plain = [sample(p, u) for p, (_, u) in zip(p_rows, uniforms, strict=True)]
+        plain = [p.sample(u) for p, (_, u) in zip(p_rows, uniforms, strict=True)]
         for draft in ([], plain[:3], [plain[0], (plain[1] + 1) % 6, 0], list(rng.integers(0, 6, 3))):
             n, nxt = verify(draft, None, p_rows.__getitem__, uniforms[: len(draft) + 1])
             assert draft[:n] + [nxt] == plain[: n + 1]
@@ -152,3 +153,43 @@ def test_distribution_filters():
 def test_bad_sampling_params(kwargs, word):
     with pytest.raises(EdgespecError, match=word):
         SamplingParams(**kwargs)
+
+
+def reference_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """llama.cpp's chain the plain way, over the whole sorted vocabulary: top-k, top-p,
+    min-p, temperature (what law() computes without sorting it)."""
+    order = np.argsort(-logits, kind="stable")
+    z = logits[order].astype(np.float64)
+    if 0 < params.top_k < len(z):
+        order, z = order[: params.top_k], z[: params.top_k]
+    w = np.exp(z - z[0])
+    keep = int(np.searchsorted(np.cumsum(w) / w.sum(), params.top_p)) + 1 if params.top_p < 1 else len(z)
+    order, z = order[:keep], z[:keep]
+    kept = np.exp(z - z[0]) >= params.min_p
+    w = np.exp((z[kept] - z[0]) / params.temperature)
+    p = np.zeros(len(logits))
+    p[order[kept]] = w / w.sum()
+    return p
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 40, 1000])
+@pytest.mark.parametrize("top_p", [1.0, 0.95, 0.5])
+@pytest.mark.parametrize("min_p", [0.0, 0.05])
+def test_law_on_candidates_is_the_whole_vocabularys(top_k, top_p, min_p):
+    """Found without sorting the vocabulary, the law equals the chain over all of it: on
+    peaked, flat and heavy-tailed logits (the gap search must widen for some of them), on
+    a 151k vocabulary, with masked (-inf) tokens."""
+    rng = np.random.default_rng(5)
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
+    n = 151_936
+    cases = {
+        "peaked": rng.standard_normal(n) * 2 + np.where(np.arange(n) == 17, 30.0, 0.0),
+        "flat": rng.standard_normal(n) * 0.01,
+        "heavy": rng.standard_t(2, n) * 3,
+        "masked": np.where(rng.random(n) < 0.999, -np.inf, rng.standard_normal(n)),
+    }
+    for name, logits in cases.items():
+        logits = logits.astype(np.float32)
+        np.testing.assert_allclose(
+            distribution(logits, params), reference_distribution(logits, params), atol=1e-9, err_msg=name
+        )
