@@ -296,10 +296,11 @@ def print_report(report: dict) -> None:
             if steps := rollback.get(f"{role}_steps"):
                 line += f"; {role} checkpoint {steps['checkpoint']:.2f}, restore {steps['restore']:.2f} target steps"
         print(line + "; after a rejection the kept tokens ride in the next pass")
-    print(
-        f"{'prompt':<15}{'mode':<7}{'tok/s':>8}{'vs off':>9}{'prefill':>9}{'alpha':>7}{'tok/round':>10}{'mean γ':>8}"
-        f"{'E[n]':>7}  rounds"
-    )
+    if report["prompts"]:  # (none where only fim or rounds were asked for)
+        print(
+            f"{'prompt':<15}{'mode':<7}{'tok/s':>8}{'vs off':>9}{'prefill':>9}{'alpha':>7}{'tok/round':>10}"
+            f"{'mean γ':>8}{'E[n]':>7}  rounds"
+        )
     for row in report["prompts"]:
         ceiling = row["ceiling"]
         print(

@@ -109,6 +109,7 @@ def test_bench_rounds_prices_the_python_of_a_round(capsys, smollm2_path):
     assert cases["sampled copy γ=4"]["rounds"] * 3 < cases["sampled plain"]["rounds"]  # copies of ~5 tokens a round
     code, out, err = run(capsys, "bench", *SMALL, "--prompts", "rounds")
     assert code == 0 and "Python per round beside the passes (49152-token vocabulary)" in out, err
+    assert "tok/round" not in out  # no table of prompt classes that did not run
 
 
 def test_prompt_longer_than_context(capsys, smollm2_path):
