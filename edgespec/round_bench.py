@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from operator import itemgetter
 from time import perf_counter
 
 from .engine import Engine
@@ -127,14 +128,11 @@ def run_rounds(engine: Engine, repeats: int, log: Callable[[str], None]) -> dict
             raw=raw,
             prediction=prediction if case.predicted else None,
         )
-        runs = sorted((python_per_round(engine, request, case.name) for _ in range(repeats)), key=_python_ms)
+        runs = [python_per_round(engine, request, case.name) for _ in range(repeats)]
+        runs.sort(key=itemgetter("python_ms"))
         rows.append(runs[(len(runs) - 1) // 2])
         log(f"  {NAME:<10} {case.name:<20} {rows[-1]['python_ms']:.3f} ms of Python a round")
     return {"vocabulary": engine.target.n_vocab, "cases": rows}
-
-
-def _python_ms(row: dict) -> float:
-    return row["python_ms"]
 
 
 def print_rows(report: dict) -> None:

@@ -77,12 +77,6 @@ class Law:
     probs: np.ndarray  # float64, > 0
 
     @classmethod
-    def of(cls, p: np.ndarray) -> Law:
-        """The law of a dense distribution p (need not be normalised)."""
-        ids = np.flatnonzero(p)
-        return cls(ids, p[ids] / p[ids].sum())
-
-    @classmethod
     def point(cls, token: int) -> Law:
         return cls(np.array([token]), np.ones(1))
 
@@ -92,7 +86,8 @@ class Law:
         return np.where(self.ids[where] == tokens, self.probs[where], 0.0)
 
     def prob(self, token: int) -> float:
-        return float(self.at(np.array([token]))[0])
+        where = int(np.searchsorted(self.ids, token))
+        return float(self.probs[where]) if where < len(self.ids) and self.ids[where] == token else 0.0
 
     def sample(self, u: float) -> int:
         """The token that the uniform draw u in [0, 1) picks (inverse CDF in token order).

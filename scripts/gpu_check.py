@@ -198,7 +198,7 @@ def backend_sampling(path: Path, gpu_layers: int, tries: int = 20) -> dict:
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(rows, n_vocab))
         return [law(row, SAMPLED) for row in logits]
 
-    def candidates(ctx, rows: int) -> list:
+    def backend_laws(ctx, rows: int) -> list:
         laws = []
         for i in range(rows):
             n = llama_cpp.llama_get_sampled_candidates_count_ith(ctx, i)
@@ -218,7 +218,7 @@ def backend_sampling(path: Path, gpu_layers: int, tries: int = 20) -> dict:
             for _ in range(tries):
                 seconds, plain = timed_pass(contexts[0], rows, whole_rows)
                 times["whole_rows"].append(seconds)
-                seconds, sampled = timed_pass(contexts[1], rows, candidates)
+                seconds, sampled = timed_pass(contexts[1], rows, backend_laws)
                 times["backend_top_k"].append(seconds)
         except RuntimeError as error:  # (0.3.36 logs why: backend sampling takes one output per sequence)
             return {"rows": rows, "works": False, "why": str(error)}

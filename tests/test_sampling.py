@@ -27,11 +27,17 @@ def random_dist(v: int, support: int | None = None, rng=RNG) -> np.ndarray:
     return p / p.sum()
 
 
+def law_of(p: np.ndarray) -> Law:
+    """The law of a dense distribution p (need not be normalised)."""
+    ids = np.flatnonzero(p)
+    return Law(ids, p[ids] / p[ids].sum())
+
+
 def output_distribution(p: np.ndarray, q: np.ndarray | None, draft_token: int | None = None) -> np.ndarray:
     """Exact distribution of the token one verification step emits: draw x ~ q
     (or take the deterministic x), accept w.p. a(x), else draw from the residual."""
     out = np.zeros_like(p)
-    p_law, q_law = Law.of(p), None if q is None else Law.of(q)
+    p_law, q_law = law_of(p), None if q is None else law_of(q)
     xs = [(draft_token, 1.0)] if q is None else [(x, q[x]) for x in np.flatnonzero(q)]
     for x, q_x in xs:
         a = acceptance_probability(p_law, q_law, x)
@@ -79,9 +85,9 @@ def test_verify_monte_carlo_two_tokens():
             draft, q_rows = [], []
             for _ in range(2):
                 q = q_table[ctx + tuple(draft)] if len(ctx) + len(draft) < 2 else random_dist(v, rng=rng)
-                draft.append(Law.of(q).sample(rng.random()))
-                q_rows.append(Law.of(q))
-            p_rows = [Law.of(p_table.get(ctx + tuple(draft[:i]), np.full(v, 1 / v))) for i in range(3)]
+                draft.append(law_of(q).sample(rng.random()))
+                q_rows.append(law_of(q))
+            p_rows = [law_of(p_table.get(ctx + tuple(draft[:i]), np.full(v, 1 / v))) for i in range(3)]
             k, nxt = verify(draft, q_rows, p_rows.__getitem__, rng.random((3, 2)))
             out += draft[:k] + [nxt]
         counts[out[0], out[1]] += 1
@@ -92,7 +98,7 @@ def test_verify_monte_carlo_two_tokens():
 def test_sample_follows_distribution():
     rng = np.random.default_rng(2)
     p = np.array([0.5, 0.0, 0.3, 0.2, 0.0])
-    draws = np.bincount([Law.of(p).sample(rng.random()) for _ in range(20000)], minlength=5)
+    draws = np.bincount([law_of(p).sample(rng.random()) for _ in range(20000)], minlength=5)
     assert draws[1] == draws[4] == 0
     assert scipy_stats.chisquare(draws[[0, 2, 3]], p[[0, 2, 3]] * 20000).pvalue > 0.01
 
@@ -103,7 +109,7 @@ def test_point_mass_verification_is_the_plain_draw_at_each_position():
     out are those sampling without a draft would give with the same uniforms."""
     rng = np.random.default_rng(3)
     for _ in range(200):
-        p_rows = [Law.of(random_dist(6, support=4, rng=rng)) for _ in range(4)]
+        p_rows = [law_of(random_dist(6, support=4, rng=rng)) for _ in range(4)]
         uniforms = rng.random((4, 2))
         plain = [p.sample(u) for p, (_, u) in zip(p_rows, uniforms, strict=True)]
         for draft in ([], plain[:3], [plain[0], (plain[1] + 1) % 6, 0], list(rng.integers(0, 6, 3))):
