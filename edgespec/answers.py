@@ -126,7 +126,7 @@ class Answer:
         """The pieces until the last (done); an ApiError if generation failed on the way."""
         pending = [await self.job.events.get()]
         while True:
-            while not self.job.events.empty():
+            while pending[-1] is not None and not self.job.events.empty():  # (past None: the next answer's)
                 pending.append(self.job.events.get_nowait())
             done = pending[-1] is None
             events = [e for e in pending if e is not None]

@@ -3,6 +3,7 @@ talked to with the official `openai` client and raw HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import subprocess
@@ -16,6 +17,9 @@ import pytest
 from conftest import assert_greedy_match
 
 import edgespec
+from edgespec import Request, Stats
+from edgespec.answers import Answer, Job
+from edgespec.run import Event
 
 CTX = 1024
 HELLO = [{"role": "user", "content": "Say hello in three words."}]
@@ -340,3 +344,23 @@ def test_structured_output_through_the_openai_client(server):
         client.chat.completions.create(
             model="x", messages=ask, max_tokens=5, response_format={"type": "json_schema", "json_schema": {}}
         )
+
+
+def test_answers_that_were_all_sent_before_they_are_read_stay_apart():
+    """Short answers of one job (n_cmpl, an editor's empty completions) may all be in the queue
+    before the handler reads the first: each answer's pieces end at its None, never reading the
+    next answer's Stats as an event."""
+
+    async def read() -> list[str]:
+        job = Job(Request("hi"), count=3, events=asyncio.Queue())
+        for text in ("a", "", "c"):
+            stats = Stats("target-only", "auto")
+            for item in (stats, Event(text, 1, "target", stats), Event("", None, None, stats), None):
+                job.events.put_nowait(item)
+        texts, answer = [], Answer(job, await job.events.get())
+        while answer is not None:
+            texts.append((await answer.whole()).text)
+            answer = await answer.following()
+        return texts
+
+    assert asyncio.run(read()) == ["a", "", "c"]
