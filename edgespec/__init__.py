@@ -26,6 +26,7 @@ _MODULES = {
     "load": "loader",
     "pairs": "loader",
     "pull_models": "loader",
+    "TokenLogprob": "logprobs",
     "Model": "model",
     "DraftMode": "modes",
     "Gamma": "modes",

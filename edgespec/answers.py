@@ -19,11 +19,14 @@ from dataclasses import dataclass, field, replace
 from starlette.responses import JSONResponse
 
 from .errors import PromptExceedsContext
+from .logprobs import TokenLogprob
 from .request import Request, RequestError
+from .run import Run
 from .stats import LOOPING, Stats
 from .tools import ToolCall
 
 log = logging.getLogger("edgespec.serve")
+MAX_ANSWERS = 4  # answers to one request at most (OpenAI's n and best_of, llama-server's n_cmpl: its 4 slots)
 
 
 class ApiError(Exception):
@@ -46,13 +49,16 @@ class ContextExceeded(ApiError):
 @dataclass(eq=False)  # each job is itself (kept in a set)
 class Job:
     """One request's generation: its request, how many answers and how the client wants them,
-    and the events the worker sends back to the event loop: per answer its Stats once started,
+    and the events the worker sends back to the event loop: per answer its Run once started,
     its Events, then None; or one ApiError instead of an answer, which ends the job."""
 
     request: Request
     stream: bool = False
     include_usage: bool = False  # OpenAI's stream_options.include_usage
-    count: int = 1  # answers to the one prompt (llama-server's n_cmpl)
+    count: int = 1  # answers to the one prompt (OpenAI's n or best_of, llama-server's n_cmpl)
+    returned: int | None = None  # best_of: only this many, of the highest log-probability per token
+    scored_only_to_rank: bool = False  # best_of asked for no log-probabilities: they are not shown
+    echo: bool = False  # OpenAI completions' echo: the prompt comes back before each answer
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
@@ -67,7 +73,8 @@ class Job:
         sampling = self.request.sampling
         if sampling.seed is not None:
             sampling = replace(sampling, seed=sampling.seed + index)
-        return replace(self.request, sampling=sampling, prediction=self.request.prediction or previous or None)
+        prediction = self.request.prediction or previous or None
+        return replace(self.request, sampling=sampling, prediction=prediction, prompt_logprobs=False)  # scored once
 
     def capped(self, max_tokens: int | None) -> Job:
         """This job with the server's cap on an answer whose request sets no limit."""
@@ -90,12 +97,14 @@ def refused(error: RequestError) -> ApiError:
 @dataclass
 class Piece:
     """What an answer added since the last piece: text to show and the tool calls it completed.
-    stats: the generation's live statistics (final where done)."""
+    stats: the generation's live statistics (final where done); logprobs: of the piece's tokens,
+    where the request asked for them."""
 
     text: str
     calls: list[ToolCall]
     stats: Stats
     done: bool
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Answer:
@@ -103,9 +112,9 @@ class Answer:
     at once), tool calls are read apart from the text (the request's call parser). stats: the
     run's live statistics, from its start (the prompt's length is known before its prefill)."""
 
-    def __init__(self, job: Job, stats: Stats, index: int = 0) -> None:
+    def __init__(self, job: Job, run: Run, index: int = 0) -> None:
         """index: which of the job's answers (Job.count) this is."""
-        self.job, self.stats, self.index = job, stats, index
+        self.job, self.run, self.stats, self.index = job, run, run.stats, index
         self.parser = job.request.call_parser()
         self.id, self.created = secrets.token_hex(12), int(time.time())  # each API prefixes the id its way
 
@@ -133,18 +142,19 @@ class Answer:
             if failure := next((e for e in events if isinstance(e, ApiError)), None):
                 raise failure
             text, calls = self._split("".join(e.text for e in events), last=done)
-            yield Piece(text, calls, self.stats, done)
+            yield Piece(text, calls, self.stats, done, [e.logprob for e in events if e.logprob is not None])
             if done:
                 return
             pending = [await self.job.events.get()]
 
     async def whole(self) -> Piece:
         """The answer in one piece."""
-        text, calls = [], []
+        text, calls, logprobs = [], [], []
         async for piece in self.pieces():
             text.append(piece.text)
             calls += piece.calls
-        return Piece("".join(text), calls, self.stats, True)
+            logprobs += piece.logprobs
+        return Piece("".join(text), calls, self.stats, True, logprobs)
 
     def _split(self, text: str, *, last: bool) -> tuple[str, list[ToolCall]]:
         return self.parser.split(text, last=last) if self.parser is not None else (text, [])

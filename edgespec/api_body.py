@@ -39,13 +39,14 @@ def text_of(content, param: str, parts: tuple[str, ...] = ("text",)) -> str:
     raise RequestError(f"'{param}' must be a string or a list of text parts", param)
 
 
-def answer_limit(body: dict, *names: str) -> int | None:
+def answer_limit(body: dict, *names: str, least: int = 1) -> int | None:
     """The first of the fields `names` that is set: an answer's length at most, 1 or more (as
-    OpenAI's and Anthropic's APIs take it; a Request's 0, the prompt only, is llama-server's)."""
+    OpenAI's and Anthropic's APIs take it; least=0 allows the prompt only, as llama-server's
+    n_predict and a completion that echoes and scores its prompt do)."""
     for name in names:
         if (value := json_field(body, name, (int,))) is not None:
-            if value < 1:
-                raise RequestError(f"'{name}' must be >= 1", name)
+            if value < least:
+                raise RequestError(f"'{name}' must be >= {least}", name)
             return value
     return None
 

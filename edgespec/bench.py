@@ -232,10 +232,7 @@ class _LlamaBaseline:
     threads: the yardstick for our target-alone loop."""
 
     def __init__(self, engine: Engine) -> None:
-        from llama_cpp._logger import logger
-
         t = self.target = engine.target
-        level = logger.level  # Llama() sets its own log level: keep ours (quiet unless EDGESPEC_VERBOSE)
         self.llm = plain_llama(
             t.path,
             t.repack,
@@ -245,7 +242,6 @@ class _LlamaBaseline:
             flash_attn=t.flash_attn,
             verbose=False,
         )
-        logger.setLevel(level)
 
     def run(self, tokens: list[int], max_tokens: int) -> LlamaRun:
         """Greedy tokens; prefill is the time to the first token, decode from it to the last."""

@@ -74,9 +74,9 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{k: getattr(args, k) for k in names if getattr(args, k, None) is not None})
 
 
-def _request(args: argparse.Namespace, prompt: str, **reading) -> Request:
+def _request(args: argparse.Namespace, prompt: str, **more) -> Request:
     """The request the arguments describe (checked as any request is), before any model is
-    loaded. reading: what was read from files."""
+    loaded. more: what was read from files, and the command's own settings."""
     return Request(
         prompt,
         _sampling(args),
@@ -85,7 +85,7 @@ def _request(args: argparse.Namespace, prompt: str, **reading) -> Request:
         raw=args.raw,
         draft_mode=DraftMode.OFF if args.no_draft else None,  # else the engine's (--draft-mode)
         gamma=args.gamma,
-        **reading,
+        **more,
     )
 
 
@@ -109,16 +109,19 @@ def _load(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_flags(args)
+    if args.logprobs is not None and not args.json:
+        raise EdgespecError("--logprobs is shown in the JSON output only; add --json")
     request = _request(
         args,
         args.prompt,
         prediction=_read_text(args.prediction, "prediction"),
         grammar=_read_text(args.grammar, "grammar"),
         json_schema=_read_text(args.json_schema, "JSON schema"),
+        logprobs=args.logprobs,
     )
     with _load(args) as engine:
         events = engine.stream(request)
-        text, tokens = [], []
+        text, tokens, logprobs = [], [], []
         for event in events:
             if args.json:
                 text.append(event.text)
@@ -127,9 +130,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             if not event.done:
                 tokens.append(event.token)
+            if event.logprob is not None:
+                logprobs.append(event.logprob.as_dict())
         stats = event.stats
         if args.json:
-            print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": stats.as_dict()}))
+            scored = {"logprobs": logprobs} if args.logprobs is not None else {}
+            print(json.dumps({"text": "".join(text), "tokens": tokens} | scored | {"stats": stats.as_dict()}))
         else:
             print(file=sys.stderr)
             print(f"[{stats.mode}] {stats.summary()}", file=sys.stderr)
@@ -238,7 +244,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = worker.wait_loaded()
     names = [args.target, args.draft] if args.target else _pair_models(load_registry(), args.pair)
     target, draft = (Path(m).name if m and Path(m).suffix == ".gguf" else m for m in names)
-    app = Api(worker, target, draft if engine.drafter else None, args.api_key, args.max_tokens, args.temperature).app()
+    draft = draft if engine.drafter else None
+    app = Api(worker, target, draft, args.api_key, args.max_tokens, args.temperature, args.metrics).app()
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
     auth = " -H 'Authorization: Bearer YOUR_KEY'" if args.api_key else ""
@@ -251,6 +258,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     root = url.removesuffix("/v1")
     print(f"  llama-server API at {root} (completion, infill): editors' code completion", file=sys.stderr)
+    if args.metrics:
+        print(f"  Prometheus metrics at {root}/metrics", file=sys.stderr)
     print(
         f"  try: curl {url}/chat/completions -H 'Content-Type: application/json'{auth}"
         """ -d '{"messages": [{"role": "user", "content": "Hello"}]}'""",
@@ -298,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); trimmed from the output")
     g.add_argument("--raw", action="store_true", help="send PROMPT as plain completion text, no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="with --json: each token's log-probability under the target (before temperature and filters)"
+        " and its N likeliest alternatives (0-20)",
+    )
     g.add_argument(
         "--prediction",
         metavar="FILE",
@@ -361,6 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MIB",
         help=f"RAM for the KV caches of earlier prompts, so alternating conversations each pay only for their"
         f" new part (default {DEFAULT_CACHE_RAM_MIB}; 0 = only the last one)",
+    )
+    v.add_argument(
+        "--metrics",
+        action="store_true",
+        help="serve GET /metrics in Prometheus' text format (llama-server's counters, and rounds, draft"
+        " tokens and acceptance by source)",
     )
     v.set_defaults(func=cmd_serve)
 

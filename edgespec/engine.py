@@ -14,6 +14,7 @@ from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter
 from .errors import EdgespecError, PromptExceedsContext
 from .fim import FimTokens, Infill, layout
 from .grammar import Grammar, grammar_text
+from .logprobs import TokenLogprob
 from .model import Model
 from .modes import DraftMode, Gamma, adaptive, check_mode, draft_modes
 from .request import Prompt, Request
@@ -30,6 +31,8 @@ class Generation:
     tokens: list[int]
     stats: Stats
     tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `tokens`, where the request asked for them
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the prompt's tokens (the first: None)
 
     @property
     def finish_reason(self) -> str | None:
@@ -110,16 +113,17 @@ class Engine:
     def generate(self, request: Request | Prompt, **options) -> Generation:
         """Like stream(), but return the whole answer (with tools: its text and tool calls apart)."""
         run = self.start(request, **options)
-        text, tokens = [], []
+        text, tokens, logprobs = [], [], []
         for event in self.events(run):
             text.append(event.text)
             if not event.done:
                 tokens.append(event.token)
-        parser = run.request.call_parser()
-        if parser is None:
-            return Generation("".join(text), tokens, event.stats)
-        shown, calls = parser.split("".join(text), last=True)
-        return Generation(shown, tokens, event.stats, calls)
+            if event.logprob is not None:
+                logprobs.append(event.logprob)
+        answer, calls = "".join(text), []
+        if (parser := run.request.call_parser()) is not None:
+            answer, calls = parser.split(answer, last=True)
+        return Generation(answer, tokens, event.stats, calls, logprobs, run.prompt_logprobs)
 
     def chat(self, messages: Sequence[dict], **options) -> Generation:
         """Answer the last message of a conversation. Pass the whole conversation

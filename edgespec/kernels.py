@@ -52,11 +52,13 @@ def plain_llama(path: Path, repack: bool, **options):
     """llama-cpp-python's own Llama on `path` (bench's yardstick, the tests' reference), with
     the kernels our Model runs: where repacked ones crash, Llama()'s default would take the
     process down. Llama() has no repack setting and takes its model parameters from
-    llama_model_default_params(), so that gives ours while it is built."""
+    llama_model_default_params(), so that gives ours while it is built. Llama() also sets
+    llama.cpp's log level for the whole process: ours (quiet unless EDGESPEC_VERBOSE) is kept."""
     import llama_cpp.llama_cpp as lib
     from llama_cpp import Llama
+    from llama_cpp._logger import logger
 
-    defaults = lib.llama_model_default_params
+    defaults, level = lib.llama_model_default_params, logger.level
 
     def ours():
         params = defaults()
@@ -68,6 +70,7 @@ def plain_llama(path: Path, repack: bool, **options):
         return Llama(model_path=str(path), **options)
     finally:
         lib.llama_model_default_params = defaults
+        logger.setLevel(level)
 
 
 def choose_repack(path: Path, n_threads: int, n_gpu_layers: int) -> bool:

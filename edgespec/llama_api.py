@@ -23,13 +23,12 @@ from dataclasses import replace
 
 from starlette.responses import JSONResponse
 
-from .answers import Answer, ApiError, Dialect, Job, Piece, refused, sse
+from .answers import MAX_ANSWERS, Answer, ApiError, Dialect, Job, Piece, refused, sse
 from .api_body import completion_prompt, constraint_of, json_field, sampling_of, speculation_of
 from .fim import Chunk, Infill
 from .request import Request, RequestError
 from .stats import Stats
 
-MAX_ANSWERS = 4  # n_cmpl at most (llama-server's: its parallel slots, 4 by default)
 # llama.cpp's sampler names (and their one-letter forms) -> the filter they switch on; None: accepted, left out
 SAMPLERS = {
     "top_k": "top_k",

@@ -16,6 +16,7 @@ from . import tools
 from .chat import Message
 from .errors import EdgespecError
 from .fim import Infill
+from .logprobs import top_count
 from .modes import DraftMode, Gamma, draft_mode
 from .sampling import DEFAULT as DEFAULT_SAMPLING
 from .sampling import SamplingParams
@@ -63,7 +64,13 @@ class Request:
     (dict or JSON text) the answer must be an instance of, written on one line in
     json.dumps's style ({"type": "object"}: any JSON object). The answer is drawn from the
     target's law masked by the grammar, exactly, with or without speculation; text the
-    grammar forces (keys, punctuation) is drafted for free (see grammar.py)."""
+    grammar forces (keys, punctuation) is drafted for free (see grammar.py).
+    logprobs: each answer token's log-probability (Event.logprob, Generation.logprobs) with
+    this many likeliest alternatives (0..20); None: none. They are the target's own
+    log-softmax, before temperature and filters, whatever drafted the token or constrained
+    the answer. prompt_logprobs: the same for the prompt's tokens after the first
+    (Run.prompt_logprobs, Generation.prompt_logprobs; what OpenAI's `echo` scores); the
+    prompt is then read whole, none of it from the cache."""
 
     prompt: Prompt
     sampling: SamplingParams = DEFAULT_SAMPLING
@@ -80,6 +87,8 @@ class Request:
     tools: Sequence[dict] | None = None
     tool_choice: tools.ToolChoice | str | dict | None = None
     parallel_tool_calls: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: the checked values are set once, here
@@ -99,6 +108,7 @@ class Request:
             raise RequestError(
                 f"the line deadline must be a number of seconds >= 0, got {deadline!r}", "t_max_predict_ms"
             )
+        checked(top_count, self.logprobs, param="logprobs")
         if self.draft_mode is not None:
             set_("draft_mode", checked(draft_mode, self.draft_mode, param="draft_mode"))
         if self.gamma is not None:
@@ -138,6 +148,8 @@ class Request:
         parallel_tool_calls: bool = True,
         grammar: str | None = None,
         json_schema: dict | str | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> Request:
         """A request from keywords (what Engine.stream and generate take besides a Request):
         the sampling settings one by one, and speculative=False for draft_mode "off"."""
@@ -155,6 +167,8 @@ class Request:
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def settled(self, draft_mode: DraftMode, gamma: Gamma) -> Request:

@@ -15,6 +15,7 @@ import numpy as np
 
 from .controller import Controller
 from .grammar import Grammar
+from .logprobs import TokenLogprob, token_logprobs
 from .model import ContextFull, Model
 from .modes import DraftMode
 from .request import Request
@@ -42,10 +43,20 @@ class Event:
     token: int | None
     source: str | None  # "draft": an accepted draft token; "target": sampled by the target itself
     stats: Stats = field(repr=False)  # the live statistics of this generation
+    logprob: TokenLogprob | None = None  # where the request asked for log-probabilities (Request.logprobs)
 
     @property
     def done(self) -> bool:
         return self.token is None
+
+
+@dataclass(frozen=True)
+class NewToken:
+    """A token a round adds to the answer."""
+
+    token: int
+    from_draft: bool  # an accepted draft token (else the target's own draw)
+    logprob: TokenLogprob | None  # where the request asked for log-probabilities
 
 
 class Run:
@@ -86,6 +97,7 @@ class Run:
             self.stats.baseline_tokens_per_s = 1.0 / costs.plain_step()
             self.stats.checkpoint_steps, self.stats.restore_steps = costs.rollback_steps()
         self.text = TextStream(request.stops, request.min_indent)
+        self.prompt_logprobs: list[TokenLogprob] = []  # once read, where Request.prompt_logprobs asks for them
 
     def events(self) -> Iterator[Event]:
         """Prefill, then the answer's tokens as events; the last has token None, the remaining
@@ -104,12 +116,19 @@ class Run:
         the last token, which opens the first verify batch; it is read PREFILL_CHUNK tokens a
         pass, so that a client who left (an editor's user typing on) waits for one chunk at most,
         and the next request finds the chunks read so far in the cache."""
-        target, prompt = self.target, self.prompt
-        self.stats.n_prompt_cached = target.sync(prompt)
+        target, prompt, scored = self.target, self.prompt, self.request.prompt_logprobs
+        # scored, every prompt token's row is needed: none of them comes from the cache
+        self.stats.n_prompt_cached = target.cut(0) if scored else target.sync(prompt)
+        if scored:  # nothing comes before the first token to score it
+            self.prompt_logprobs = [TokenLogprob(prompt[0], target.piece(prompt[0]), None)]
         for at in range(self.stats.n_prompt_cached, len(prompt) - 1, PREFILL_CHUNK):
             if self._cancelled():
                 return False
-            target.eval(prompt[at : min(at + PREFILL_CHUNK, len(prompt) - 1)])
+            chunk = prompt[at : min(at + PREFILL_CHUNK, len(prompt) - 1)]
+            logits = target.eval(chunk, rows=len(chunk) if scored else None)
+            if scored:  # the row of prompt[i] scores prompt[i + 1]
+                following = prompt[at + 1 : at + len(chunk) + 1]
+                self.prompt_logprobs += token_logprobs(logits, following, self.request.logprobs or 0, target.piece)
         if self._cancelled():
             return False
         self.controller.begin(prompt, room=min(target.n_ctx, self.limit - 1) - len(prompt))
@@ -123,13 +142,15 @@ class Run:
             return
         try:
             for new_tokens in self.rounds():
-                for token, from_draft in new_tokens:
+                for new in new_tokens:
+                    token = new.token
                     if target.is_eog(token):
                         stats.finish_reason = "stop"
                         break
                     stats.n_tokens, stats.decode_s = stats.n_tokens + 1, perf_counter() - start
                     piece = target.piece(token)
-                    yield Event(self.text.push(piece), token, "draft" if from_draft else "target", stats)
+                    source = "draft" if new.from_draft else "target"
+                    yield Event(self.text.push(piece), token, source, stats, new.logprob)
                     stats.finish_reason = self._stop_after(piece)
                     if stats.finish_reason:
                         break
@@ -156,14 +177,14 @@ class Run:
             return True
         return False
 
-    def rounds(self) -> Iterator[list[tuple[int, bool]]]:
-        """Rounds of plan -> draft -> verify -> accept -> observe. Yields each round's new
-        tokens as (token, came from the draft); 1..γ+1 of them per round. Under a grammar (in
-        its state after seq; advanced here) the target's law at every row is p_g. Raises ContextFull."""
+    def rounds(self) -> Iterator[list[NewToken]]:
+        """Rounds of plan -> draft -> verify -> accept -> observe. Yields each round's new tokens,
+        1..γ+1 of them. Under a grammar (in its state after seq; advanced here) the target's law at
+        every row is p_g. Raises ContextFull."""
         target, controller, grammar, params, seq = self.target, self.controller, self.grammar, self.params, self.seq
         while True:
             if grammar is not None and grammar.finished():  # only an end may follow: the target would pick one
-                yield [(target.eos, False)]
+                yield [NewToken(target.eos, False, None)]
                 return
             t0 = perf_counter()
             # the controller picks a drafter and γ (or none); drafts past the context or the budget are wasted
@@ -189,16 +210,27 @@ class Run:
                 n, next_token = verify(draft.tokens, draft.q, rows.p, uniforms)
             rows.advance(n, next_token)
             t2 = perf_counter()
+            new = draft.tokens[:n] + [next_token]
+            logprobs = self._logprobs(logits, new)  # read before the cut; not the round's time
+            t3 = perf_counter()
 
             # drop the rejected drafts from the target's cache (the drafter trims its own); a recurrent state may
             # go back further, to its checkpoint: the kept tokens after it open the next pass, not one of their own
             target.cut(len(seq) + n)
-            seq += draft.tokens[:n] + [next_token]
-            rollback = (t_pass - t1) + (perf_counter() - t2)
+            seq += new
+            rollback = (t_pass - t1) + (perf_counter() - t3)
             timing = RoundTiming(draft=t1 - t0, verify=t2 - t_pass, rollback=rollback, rereads=rereads)
             report = controller.observe(plan, draft, n, timing, seq)
-            self.stats.record(report, perf_counter() - t0)
-            yield [(token, True) for token in draft.tokens[:n]] + [(next_token, False)]
+            self.stats.record(report, perf_counter() - t0 - (t3 - t2))
+            yield [
+                NewToken(token, i < n, logprob) for i, (token, logprob) in enumerate(zip(new, logprobs, strict=True))
+            ]
+
+    def _logprobs(self, logits: np.ndarray, new: list[int]) -> list[TokenLogprob | None]:
+        """The round's new tokens scored by the target's rows that drew them (row i: the i-th), if asked for."""
+        if self.request.logprobs is None:
+            return [None] * len(new)
+        return token_logprobs(logits, new, self.request.logprobs, self.target.piece)
 
 
 class TargetRows:

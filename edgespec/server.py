@@ -26,7 +26,7 @@ from functools import partial
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import anthropic_api
@@ -35,6 +35,7 @@ from .engine import Engine
 from .engine_thread import EngineThread
 from .errors import EdgespecError, PromptExceedsContext
 from .llama_api import LlamaServer
+from .metrics import Metrics, ServerLoad
 from .openai_api import OpenAIChat
 from .request import Request, RequestError
 from .responses_api import Responses
@@ -53,6 +54,8 @@ class Worker:
     def __init__(self, load: Callable[[], Engine]) -> None:
         self.engine: Engine | None = None
         self._unfinished: set[Job] = set()  # submitted, not yet answered: told to stop on stop()
+        self._running: Job | None = None
+        self.metrics = Metrics()
         self.thread = EngineThread()
         self._loading = self.thread.submit(self._load, load)
 
@@ -87,6 +90,7 @@ class Worker:
             self.engine = self.thread.engine = None
 
     def _serve(self, job: Job) -> None:
+        self._running = job
         try:
             if job.cancelled.is_set():  # a client that left while queued costs nothing
                 job.send(None)
@@ -94,6 +98,13 @@ class Worker:
                 self._generate(job)
         finally:
             self._unfinished.discard(job)
+            self._running = None
+
+    def load(self) -> ServerLoad:
+        """Requests running and waiting, and the target's cache, now (read from any thread)."""
+        running = int(self._running is not None)
+        target = self.engine.target
+        return ServerLoad(running, len(self._unfinished) - running, len(target.tokens), target.n_ctx)
 
     def _generate(self, job: Job) -> None:
         previous = ""
@@ -116,7 +127,7 @@ class Worker:
         except EdgespecError as e:  # a parameter is out of range, a template fails, ...
             job.send(ApiError(400, str(e)))
             return None
-        job.send(run.stats)  # the request is good: its answer may begin before the prefill
+        job.send(run)  # the request is good: its answer may begin before the prefill
         text = []
         events = self.engine.events(run)  # a cancelled run ends at its next prefill chunk or round
         try:
@@ -133,6 +144,7 @@ class Worker:
         finally:
             events.close()
         log_answer(run.stats)  # here, not where it is read: an answer whose client left is logged too
+        self.metrics.add(run.stats)
         job.send(None)
         return "".join(text)
 
@@ -151,12 +163,14 @@ class Api:
         api_key: str | None,
         max_tokens: int | None = None,
         temperature: float | None = None,
+        metrics: bool = False,
     ) -> None:
         """max_tokens: the cap of answers whose requests set no limit (None: until the model stops
         or the context is full). temperature: that of requests that set none (None: llama.cpp's
-        default; Anthropic's SDK, and so Claude Code, sends none)."""
+        default; Anthropic's SDK, and so Claude Code, sends none). metrics: GET /metrics
+        (Prometheus' text format, see metrics.py)."""
         self.worker, self.model_name, self.draft_name, self.api_key = worker, model_name, draft_name, api_key
-        self.max_tokens, self.temperature = max_tokens, temperature
+        self.max_tokens, self.temperature, self.metrics = max_tokens, temperature, metrics
         self.chat = OpenAIChat(model_name, chat=True)
         self.completion = OpenAIChat(model_name, chat=False)
         self.messages = anthropic_api.Messages(model_name)
@@ -185,6 +199,8 @@ class Api:
             Route("/completion", answer(self.completion_native), methods=["POST"]),  # llama-server's own
             Route("/infill", answer(self.infill), methods=["POST"]),
         ]
+        if self.metrics:
+            routes.append(Route("/metrics", self.prometheus))
         app = Starlette(routes=routes, lifespan=lifespan)
         app.add_middleware(_Guard, api_key=self.api_key, dialect_of=self.dialect_of)
         return app
@@ -197,6 +213,10 @@ class Api:
 
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok"})
+
+    async def prometheus(self, request: HttpRequest) -> Response:
+        text = self.worker.metrics.text(self.worker.load())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: HttpRequest) -> Response:
         target = self.worker.engine.target
@@ -233,7 +253,7 @@ class Api:
             job = dialect.job(body).capped(self.max_tokens)
             self.worker.submit(job)
             watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-            started = await job.events.get()  # the run's Stats once the request is checked
+            started = await job.events.get()  # the Run once the request is checked
             if started is None:  # the client left while its request waited for its turn
                 log.info("%s %s: the client left before its answer started", request.method, request.url.path)
                 return Response(status_code=499)

@@ -51,6 +51,19 @@ def test_generate_json(capsys, smollm2_path):
     assert isinstance(result["text"], str) and result["text"]
 
 
+def test_generate_json_logprobs(capsys, smollm2_path):
+    argv = ["generate", "Say hi.", *SMALL, "--temperature", "0", "--max-tokens", "6", "--json"]
+    code, out, _ = run(capsys, *argv, "--logprobs", "2")
+    result = json.loads(out)
+    assert code == 0 and [t["token"] for t in result["logprobs"]] == result["tokens"]
+    for scored in result["logprobs"]:
+        assert scored["logprob"] < 0 and len(scored["top"]) == 2
+        assert scored["top"][0]["logprob"] == scored["logprob"] >= scored["top"][1]["logprob"]  # greedy
+    assert "logprobs" not in json.loads(run(capsys, *argv)[1])
+    assert_one_line_error(*run(capsys, *argv[:-1], "--logprobs", "2")[::2], "--json")
+    assert_one_line_error(*run(capsys, *argv, "--logprobs", "21")[::2], "0..20")
+
+
 def test_generate_streams_text_and_stats_line(capsys, smollm2_path):
     code, out, err = run(capsys, "generate", "Say hi.", *SMALL, "--no-draft", "--max-tokens", "8", "--seed", "1")
     assert code == 0 and out.strip()

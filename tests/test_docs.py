@@ -92,7 +92,7 @@ def default_server():
 @pytest.mark.slow
 def test_readme_openai_client_section(capsys, default_server):
     """The server section's curl and Python examples, against `edgespec serve` on the default pair."""
-    section = README[README.index("## Use it from any OpenAI client") : README.index("## Editors")]
+    section = README[README.index("## Use it from any OpenAI client") : README.index("## Log-probabilities")]
     (shell,) = code_blocks(section, "sh")
     (python,) = code_blocks(section, "python")
     url = default_server.url
@@ -103,6 +103,19 @@ def test_readme_openai_client_section(capsys, default_server):
     exec(compile(python.replace("http://127.0.0.1:8080/v1", url), "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "surface" in out and "accepted_prediction_tokens" in out and "drafted" in out
+
+
+@pytest.mark.slow
+def test_readme_logprobs_section(capsys, default_server):
+    """Scoring labels by log-probability (echo, logprobs, max_tokens 0) on the default pair."""
+    section = README[README.index("## Log-probabilities") : README.index("## Editors")]
+    (python,) = code_blocks(section, "python")
+    namespace: dict = {}
+    exec(compile(python.replace("http://127.0.0.1:8080/v1", default_server.url), "README.md", "exec"), namespace)
+    scores = namespace["scores"]
+    assert set(scores) == {"positive", "negative"} and all(s < 0 for s in scores.values())
+    assert scores["negative"] > scores["positive"]
+    assert "-> negative" in capsys.readouterr().out
 
 
 @pytest.mark.slow

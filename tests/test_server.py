@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -243,12 +244,17 @@ BAD_REQUESTS = [
     ({"messages": HELLO, "temperature": "hot"}, 400, "temperature"),
     ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": HELLO, "top_p": 0}, 400, None),
-    ({"messages": HELLO, "n": 2}, 400, "n"),
+    ({"messages": HELLO, "n": 0}, 400, "n"),
+    ({"messages": HELLO, "n": 5}, 400, "n"),
     ({"messages": HELLO, "stop": [1, 2]}, 400, "stop"),
     ({"messages": HELLO, "draft_mode": "telepathy"}, 400, "draft_mode"),
     ({"messages": HELLO, "gamma": 0}, 400, "gamma"),
     ({"messages": HELLO, "prediction": "text"}, 400, "prediction"),
-    ({"messages": HELLO, "logprobs": True}, 400, "logprobs"),
+    ({"messages": HELLO, "logprobs": "yes"}, 400, "logprobs"),
+    ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"messages": HELLO, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    ({"messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"messages": HELLO, "functions": [{"name": "f"}]}, 400, "functions"),
     ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400, None),
 ]
 
@@ -355,7 +361,8 @@ def test_answers_that_were_all_sent_before_they_are_read_stay_apart():
         job = Job(Request("hi"), count=3, events=asyncio.Queue())
         for text in ("a", "", "c"):
             stats = Stats("target-only", "auto")
-            for item in (stats, Event(text, 1, "target", stats), Event("", None, None, stats), None):
+            run = SimpleNamespace(stats=stats)  # (what Answer reads of a Run)
+            for item in (run, Event(text, 1, "target", stats), Event("", None, None, stats), None):
                 job.events.put_nowait(item)
         texts, answer = [], Answer(job, await job.events.get())
         while answer is not None:
@@ -364,3 +371,130 @@ def test_answers_that_were_all_sent_before_they_are_read_stay_apart():
         return texts
 
     assert asyncio.run(read()) == ["a", "", "c"]
+
+
+BAD_COMPLETIONS = [
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"echo": "yes"}, "echo"),
+    ({"n": 2, "best_of": 1}, "best_of"),
+    ({"best_of": 5}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
+    ({"max_tokens": 0}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_COMPLETIONS)
+def test_bad_completion_fields_are_named(server, body, param):
+    response = server.post("/completions", json={"prompt": "def fib(n):", "max_tokens": 4} | body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_chat_logprobs_are_the_librarys_whole_and_streamed(server, engine):
+    """The values equal the library's (tests/test_logprobs.py holds those to llama-cpp-python's
+    own); greedy, every chosen token heads its top list; a stream carries the same."""
+    client = server.client()
+    ask = dict(model="m", messages=HELLO, temperature=0, max_tokens=16, logprobs=True, top_logprobs=5)
+    reply = client.chat.completions.create(**ask)
+    content = reply.choices[0].logprobs.content
+    direct = engine.generate(Request.of(HELLO, temperature=0, max_tokens=16, logprobs=5))
+    assert "".join(t.token for t in content) == reply.choices[0].message.content == direct.text
+    for served, mine in zip(content, direct.logprobs, strict=True):
+        assert abs(served.logprob - mine.logprob) < 1e-4 and served.bytes == list(mine.piece)
+        assert len(served.top_logprobs) == 5 and served.top_logprobs[0].logprob == served.logprob
+        assert [round(a.logprob, 4) for a in served.top_logprobs] == [round(a.logprob, 4) for a in mine.top]
+    streamed = [
+        t
+        for chunk in client.chat.completions.create(**ask, stream=True)
+        for c in chunk.choices
+        if c.logprobs
+        for t in c.logprobs.content
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = client.chat.completions.create(model="m", messages=HELLO, temperature=0, max_tokens=16)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == direct.text
+
+
+def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(server, engine):
+    """lm-evaluation-harness's local-completions: echo, logprobs, max_tokens 0."""
+    prompt = "The capital of France is Paris"
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    choice = server.post("/completions", json=body).json()["choices"][0]
+    scored = engine.generate(Request(prompt, raw=True, max_tokens=0, logprobs=1, prompt_logprobs=True))
+    logprobs = choice["logprobs"]
+    assert choice["text"] == prompt and "".join(logprobs["tokens"]) == prompt
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert len(logprobs["token_logprobs"]) == len(scored.prompt_logprobs) == scored.stats.n_prompt
+    assert all(
+        abs(a - b.logprob) < 1e-4
+        for a, b in zip(logprobs["token_logprobs"][1:], scored.prompt_logprobs[1:], strict=True)
+    )
+    assert logprobs["text_offset"] == [
+        sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(scored.prompt_logprobs))
+    ]
+    echoed = server.client().completions.create(model="m", prompt=prompt, echo=True, max_tokens=3, temperature=0)
+    assert echoed.choices[0].text.startswith(prompt) and len(echoed.choices[0].text) > len(prompt)
+
+
+def test_n_answers_are_the_single_answers_of_the_following_seeds(server):
+    """Answer i of a seeded request with n answers is the single answer to seed + i (README)."""
+    client = server.client()
+    ask = dict(model="m", prompt="Once upon a time", temperature=1.0, max_tokens=12)
+    many = client.completions.create(**ask, n=3, seed=11)
+    singles = [client.completions.create(**ask, seed=11 + i).choices[0] for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [c.text for c in singles]
+    assert many.usage.completion_tokens == sum(
+        client.completions.create(**ask, seed=11 + i).usage.completion_tokens for i in range(3)
+    )
+    chat = client.chat.completions.create(model="m", messages=HELLO, temperature=1.0, max_tokens=8, n=2, seed=3)
+    alone = client.chat.completions.create(model="m", messages=HELLO, temperature=1.0, max_tokens=8, seed=4)
+    assert chat.choices[1].message.content == alone.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model="m", messages=HELLO, temperature=1.0, max_tokens=8, n=2, seed=3, stream=True
+    )
+    texts = ["", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in chat.choices]
+
+
+def test_best_of_returns_the_answer_of_the_highest_logprob_per_token(server):
+    client = server.client()
+    ask = dict(model="m", prompt="Once upon a time", temperature=1.0, max_tokens=12)
+    best = client.completions.create(**ask, best_of=3, seed=5)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    singles = [client.completions.create(**ask, seed=5 + i, logprobs=0).choices[0] for i in range(3)]
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in singles]
+    assert best.choices[0].text == singles[means.index(max(means))].text
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in singles)
+
+
+def test_metrics_parse_and_move_with_a_request(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert httpx.get(server.url.removesuffix("/v1") + "/metrics").status_code == 404  # off unless asked for
+    metered = Server("--metrics")
+    try:
+
+        def read() -> dict:
+            response = httpx.get(metered.url.removesuffix("/v1") + "/metrics")
+            assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+            families = text_string_to_metric_families(response.text)
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+        before = read()
+        assert before[("llamacpp:tokens_predicted_total", ())] == 0
+        body = {"prompt": "def fib(n):", "max_tokens": 16, "temperature": 0, "draft_mode": "model", "gamma": 4}
+        reply = metered.post("/completions", json=body).json()
+        after = read()
+        assert after[("llamacpp:tokens_predicted_total", ())] == reply["usage"]["completion_tokens"]
+        assert after[("llamacpp:prompt_tokens_total", ())] == reply["usage"]["prompt_tokens"]
+        assert after[("edgespec:answers_total", ())] == 1
+        drafted = after[("edgespec:draft_tokens_total", (("source", "model"),))]
+        assert drafted == after[("llamacpp:spec_decode_num_draft_tokens_total", ())] > 0
+        assert after[("llamacpp:kv_cache_tokens", ())] > 0 and after[("llamacpp:requests_processing", ())] == 0
+    finally:
+        assert metered.stop() == 0
