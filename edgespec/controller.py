@@ -249,8 +249,8 @@ class Controller:
         n = len(draft.tokens)
         if self.adaptive:
             plan = self._best(draft.source, key, [n] if self.gamma.fixed else self._gammas(n, cut_short), evidence)
-        else:
-            plan = Plan(1.0, draft.source, n, key=key)
+        else:  # as told; of two copies (the context's, the prediction's), the one of higher α
+            plan = Plan(self._acceptance(key).alpha, draft.source, n, key=key)
         plan.draft = Draft(draft.tokens[: plan.gamma], None, source=draft.source)
         return plan
 
@@ -266,15 +266,15 @@ class Controller:
             off_rate = 1.0 / self.costs.plain_step()
             candidates.append(Plan((1 + MIN_GAIN) * off_rate, Source.OFF, 0, expected_rate=off_rate))
         confident_copy = False
-        if copy := self.drafters.get(Source.COPY):
-            lookup = copy.draft(context, min(room, fixed or MAX_COPY_DRAFT))
-            if grammar is not None:
-                lookup.tokens = grammar.allowed_prefix(lookup.tokens)
-            hybrid = self.mode is DraftMode.HYBRID
-            confident_copy = bool(lookup.tokens) and (not hybrid or copy.evidence >= HYBRID_MIN_MATCH)
-            if confident_copy:
-                key = CopyKey.of(lookup.source, copy.evidence)
-                candidates.append(self._free_plan(lookup, key, copy.evidence, len(lookup.tokens) < MAX_COPY_DRAFT))
+        if copy := self.drafters.get(Source.COPY):  # the context's and the prediction's, each on its own α
+            for lookup in copy.lookups(min(room, fixed or MAX_COPY_DRAFT)):
+                draft, evidence = lookup.draft, lookup.evidence
+                if grammar is not None:
+                    draft.tokens = grammar.allowed_prefix(draft.tokens)
+                if draft.tokens and (self.mode is not DraftMode.HYBRID or evidence >= HYBRID_MIN_MATCH):
+                    confident_copy = True
+                    key = CopyKey.of(draft.source, evidence)
+                    candidates.append(self._free_plan(draft, key, evidence, len(draft.tokens) < MAX_COPY_DRAFT))
         forced_text, rng_state = None, None  # forced text is free to make: its α is learnt every round, drafted or not
         if grammar is not None and (forced := self.drafters.get(Source.GRAMMAR)):
             text = forced.draft(context, min(room, fixed or MAX_COPY_DRAFT), grammar=grammar)

@@ -8,7 +8,7 @@ given) is the distribution each token was drawn from.
 
 from __future__ import annotations
 
-import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,6 +32,7 @@ MAX_RULE = (4, 8)  # longest learnt substitution: source tokens -> what the targ
 REANCHOR_KEEPS = 0.5  # of the evidence an alignment had, what it keeps when found again nearby
 MIN_LOST = 4  # an alignment that held for fewer tokens was a chance match: not worth finding again
 MIN_RENAME = 3  # shortest word whose renaming is carried over to the other tokens it appears in
+PREDICTION_CREDIT = 16  # the evidence a prediction starts with: the client says the answer repeats it
 
 
 @dataclass
@@ -125,28 +126,21 @@ class ModelDrafter:
 
 
 @dataclass(frozen=True)
-class Pointer:
-    """Where a copy is in its source: at the next raw source token."""
-
-    source: int  # CONTEXT or PREDICTION
-    pos: int
-
-
-@dataclass(frozen=True)
 class Gap:
-    """Where the pointer was lost, to look for the target's next tokens near it."""
+    """Where an alignment was lost, to look for the target's next tokens near it."""
 
-    source: int
     pos: int  # the source position the target left
     context_len: int  # the context's length then
 
 
 @dataclass(frozen=True)
 class Rule:
-    """A learnt substitution: where the source says `span`, the target writes `replacement`."""
+    """A learnt substitution: where the source says `span`, the target writes `replacement`;
+    seen: the target wrote it so (else a rename carried over from one it wrote, see _generalise)."""
 
     span: tuple[int, ...]
     replacement: tuple[int, ...]
+    seen: bool = True
 
 
 @dataclass(frozen=True)
@@ -180,6 +174,11 @@ class Substitutions:
         return None
 
     def add(self, rule: Rule) -> None:
+        """The rule, in place of any for the same span; a rule carried over from a rename never
+        replaces one the target was seen to follow (`records` -> `entries` stays where a later
+        `Record` -> `Entry` would make it `entrys`)."""
+        if not rule.seen and any(r.span == rule.span and r.seen for r in self.table.get(rule.span[0], ())):
+            return
         self.forget(rule.span)
         rules = self.table.setdefault(rule.span[0], [])
         rules.append(rule)
@@ -231,22 +230,61 @@ class Conversation:
         self.ngrams.clear()
 
 
+class Alignment:
+    """Where a copy stands in one source (the context, or the prediction), the way a diff aligns
+    two files: at the next raw source token `pos` (None: lost, or never anchored), the
+    substitution being followed, and where it was last lost."""
+
+    def __init__(self, source: int) -> None:
+        self.source = source
+        self.name = SOURCE_NAMES[source]
+        self.reset()
+
+    def reset(self) -> None:
+        self.pos: int | None = None
+        self.pending: list[int] = []  # a substitution's tokens still expected before the source's token at pos
+        self.rule_at: RuleInUse | None = None  # the substitution being followed
+        self.gap: Gap | None = None
+        self.lost_evidence = 0  # how long the alignment had held when it was lost
+        self.evidence = 0  # tokens agreed since it was set
+        self.followed = 0  # how far into the source the target has followed it
+
+    def set(self, pos: int, evidence: int) -> None:
+        self.pos, self.evidence = pos, evidence
+        self.followed = max(self.followed, pos)
+
+    def lose(self, at: int, context_len: int, at_least: int) -> None:
+        self.gap, self.lost_evidence = Gap(at, context_len), max(self.evidence, at_least)
+        self.pos, self.pending, self.rule_at, self.evidence = None, [], None, 0
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What one source says comes next, and how long its alignment has held."""
+
+    draft: Draft
+    evidence: int
+
+
 class CopyDrafter:
-    """Copies ahead from a source text, aligned to it the way a diff aligns two files.
+    """Copies ahead from source texts, aligned to each the way a diff aligns two files.
 
     One per request. Sources: the context (prompt and output so far) and a predicted output
-    (OpenAI's Predicted Outputs: text the answer will largely repeat). A pointer into a
-    source follows the target token by token; while they agree, drafts are what comes
-    next there (long, up to `max_tokens`). When the target writes something else, the
-    pointer is lost, and it re-anchors on the target's own next tokens near where it was,
-    so a skipped, inserted or replaced word costs a round or two instead of a fresh long
-    n-gram; failing that, on the longest n-gram match anywhere. What the target wrote in
-    place of a source span becomes a substitution applied to later drafts (the source
-    says `items`, the target wrote `records`: later drafts say `records`), dropped if the
-    target disagrees. Drafts are deterministic: point masses. The pointer moves only in
-    begin() and accept(); draft() reads it.
+    (OpenAI's Predicted Outputs: text the answer will largely repeat), each with an alignment
+    of its own, so that both draft every round (lookups(); the controller takes the one that
+    promises more). An alignment follows the target token by token; while they agree, drafts
+    are what comes next there (long, up to `max_tokens`). When the target writes something
+    else, the alignment is lost, and it re-anchors on the target's own next tokens near where
+    it was, so a skipped, inserted or replaced word costs a round or two instead of a fresh
+    long n-gram; failing that, on the longest n-gram match anywhere in its source. What the
+    target wrote in place of a source span becomes a substitution applied to later drafts
+    from either source (the source says `items`, the target wrote `records`: later drafts say
+    `records`), dropped if the target disagrees. Drafts are deterministic: point masses. The
+    alignments move only in begin() and accept(); lookups() and draft() read them.
 
-    `evidence` (tokens agreed since the pointer was set) tells the controller how far to trust a draft."""
+    An alignment's `evidence` (tokens agreed since it was set) tells the controller how far to
+    trust its draft. A prediction starts with PREDICTION_CREDIT of it, the client's word (and with
+    the fence the prompt quotes it in, if it does: the answer will open with it too)."""
 
     model = None  # free: it runs no model
 
@@ -267,105 +305,119 @@ class CopyDrafter:
         self.sources: tuple[list[int], list[int]] = (self.conversation.tokens, list(prediction))
         self.indexes = (self.conversation.ngrams, NgramIndex(self.conversation.ngrams.sizes))
         self.indexes[PREDICTION].extend(self.sources[PREDICTION])
+        self.alignments = [Alignment(CONTEXT)] + ([Alignment(PREDICTION)] if prediction else [])
         self.rules = Substitutions()
         self._outcomes: list[CopyOutcome] = []
-        self._reset_alignment()
-
-    def _reset_alignment(self) -> None:
-        self.ptr: Pointer | None = None
-        self.pending: list[int] = []  # a substitution's tokens still expected before the pointer's token
-        self.rule_at: RuleInUse | None = None  # the substitution being followed
-        self.gap: Gap | None = None  # where the pointer was lost
-        self.lost_evidence = 0  # how long the alignment had held when it was lost
-        self.evidence = 0
-        self.prediction_pos = 0  # how far into the prediction the target has followed
 
     # --- the Drafter protocol ---------------------------------------------------
     def begin(self, prompt: list[int]) -> None:
         """The request's prompt: the answer starts at the beginning of the prediction, if any."""
         self._follow(prompt)
-        self._reset_alignment()
         self._outcomes.clear()
-        if self.sources[PREDICTION]:  # the client says the answer will largely repeat it
-            self.ptr = Pointer(PREDICTION, 0)
-        else:
-            self._anchor()
+        for alignment in self.alignments:
+            alignment.reset()
+            if alignment.source == PREDICTION:  # the client says the answer repeats it
+                self._wrap_as_quoted()
+                alignment.set(0, PREDICTION_CREDIT)
+            else:
+                self._anchor(alignment)
 
     def accept(self, context: list[int]) -> None:
-        """Take in the tokens the context gained, moving the pointer along (and anchoring it
-        again where it was lost)."""
+        """Take in the tokens the context gained, moving the alignments along (and anchoring them
+        again where they were lost)."""
         self._follow(context)
-        if self.ptr is None:
-            self._anchor()
+        for alignment in self.alignments:
+            if alignment.pos is None:
+                self._anchor(alignment)
+
+    def _wrap_as_quoted(self) -> None:
+        """Where the prompt quotes the prediction's beginning in a fenced block (an edit request
+        quoting the file), the answer will open with the same fence: the prediction gains it."""
+        prediction, context, index = self.sources[PREDICTION], self.sources[CONTEXT], self.indexes[CONTEXT]
+        n = next((n for n in index.sizes if n <= len(prediction)), None)
+        if self.vocab is None or n is None or not (found := index.tables[n].get(tuple(prediction[:n]))):
+            return
+        start = found[-1] - n  # where the quote begins, after its fence's newline
+        line = max(start - 1, 0)
+        while line > 0 and b"\n" not in self.vocab.piece(context[line - 1]):
+            line -= 1  # back to the beginning of the line before the quote
+        fence = context[line:start]
+        if b"".join(map(self.vocab.piece, fence)).lstrip().startswith(b"```"):
+            prediction[:0] = fence
+            self.indexes[PREDICTION].clear()
+            self.indexes[PREDICTION].extend(prediction)
 
     def outcomes(self) -> list[CopyOutcome]:
-        """What the copy expected of each token the context gained since the last call, against
-        what the target wrote: the copy's acceptance rate, measured free."""
+        """What the copies expected of each token the context gained since the last call, against
+        what the target wrote: the copies' acceptance rates, measured free."""
         outcomes, self._outcomes = self._outcomes, []
         return outcomes
 
+    def lookups(self, n: int) -> list[Lookup]:
+        """What each aligned source says comes next (up to n tokens; `context` as last followed)."""
+        n = min(n, self.max_tokens)
+        aligned = [a for a in self.alignments if a.pos is not None]
+        return [Lookup(Draft(self._expected(a, n), None, source=a.name), a.evidence) for a in aligned]
+
     def draft(self, context, n, params=None, rng=None, stop_below=(), grammar=None) -> Draft:
-        """What the source says comes next (`context` as last followed)."""
-        if self.ptr is None:
+        """The draft of the source whose alignment has held longest (the controller weighs them all: lookups())."""
+        found = [lookup for lookup in self.lookups(n) if lookup.draft.tokens]
+        if not found:
             return Draft([], None, source=SOURCE_NAMES[CONTEXT])
-        return Draft(self._expected(min(n, self.max_tokens)), None, source=SOURCE_NAMES[self.ptr.source])
+        return max(found, key=lambda lookup: lookup.evidence).draft
 
     # --- following the target ---------------------------------------------------
     def _follow(self, context: list[int]) -> None:
         seen = self.sources[CONTEXT]
         if not self.conversation.continued_by(context):  # a different conversation
             self.conversation.clear()
-            self._reset_alignment()
+            for alignment in self.alignments:
+                alignment.reset()
         for token in context[len(seen) :]:
             seen.append(token)
-            if self.ptr is not None:
-                self._step(token)
+            for alignment in self.alignments:
+                if alignment.pos is not None:
+                    self._step(alignment, token)
         self.indexes[CONTEXT].extend(seen)
 
-    def _step(self, token: int) -> None:
-        expected = self._peek()
-        self._outcomes.append(CopyOutcome(SOURCE_NAMES[self.ptr.source], self.evidence, expected == token))
+    def _step(self, a: Alignment, token: int) -> None:
+        expected = self._peek(a)
+        self._outcomes.append(CopyOutcome(a.name, a.evidence, expected == token))
         if expected == token:
-            if self.pending:
-                self.pending.pop(0)
+            if a.pending:
+                a.pending.pop(0)
             else:
-                self.ptr = Pointer(self.ptr.source, self.ptr.pos + 1)
-            self.evidence += 1
-            if self.ptr.source == PREDICTION:
-                self.prediction_pos = max(self.prediction_pos, self.ptr.pos)
+                a.set(a.pos + 1, a.evidence)
+            a.evidence += 1
             return
-        source = self.ptr.source
-        if self.pending and len(self.pending) == len(self.rule_at.rule.replacement):  # a substitution, not begun
-            start = self.rule_at.start
-            if self.sources[source][start] == token:  # the substitution was wrong here: forget it, copy as is
-                self.rules.forget(self.rule_at.rule.span)
-                self.ptr, self.pending = Pointer(source, start + 1), []
-                self.evidence += 1
+        if a.pending and len(a.pending) == len(a.rule_at.rule.replacement):  # a substitution, not begun
+            start = a.rule_at.start
+            if self.sources[a.source][start] == token:  # the substitution was wrong here: forget it, copy as is
+                self.rules.forget(a.rule_at.rule.span)
+                a.pending = []
+                a.set(start + 1, a.evidence + 1)
                 return
-        lost_at = self.rule_at.start if self.pending else self.ptr.pos
-        self.gap = Gap(source, lost_at, len(self.sources[CONTEXT]) - 1)
         # the client said the answer repeats the prediction: once lost there, always look nearby
-        self.lost_evidence = max(self.evidence, MIN_LOST if source == PREDICTION else 0)
-        self.ptr, self.pending, self.rule_at, self.evidence = None, [], None, 0
+        at_least = MIN_LOST if a.source == PREDICTION else 0
+        a.lose(a.rule_at.start if a.pending else a.pos, len(self.sources[CONTEXT]) - 1, at_least)
 
-    def _peek(self) -> int | None:
+    def _peek(self, a: Alignment) -> int | None:
         """The next token the source (with substitutions) expects; starts a substitution if one applies."""
-        if self.pending:
-            return self.pending[0]
-        source, i = self.ptr.source, self.ptr.pos
-        tokens = self.sources[source]
+        if a.pending:
+            return a.pending[0]
+        tokens, i = self.sources[a.source], a.pos
         while i < len(tokens) and (rule := self.rules.match(tokens, i)):
-            self.rule_at, i = RuleInUse(i, rule), i + len(rule.span)
-            self.ptr = Pointer(source, i)
+            a.rule_at, i = RuleInUse(i, rule), i + len(rule.span)
+            a.pos = i
             if rule.replacement:
-                self.pending = list(rule.replacement)
-                return self.pending[0]
+                a.pending = list(rule.replacement)
+                return a.pending[0]
         return tokens[i] if i < len(tokens) else None
 
-    def _expected(self, n: int) -> list[int]:
+    def _expected(self, a: Alignment, n: int) -> list[int]:
         """Up to n tokens the source expects next, substitutions applied."""
-        out = self.pending[:n]
-        tokens, i = self.sources[self.ptr.source], self.ptr.pos
+        out = a.pending[:n]
+        tokens, i = self.sources[a.source], a.pos
         while len(out) < n and i < len(tokens):
             if rule := self.rules.match(tokens, i):
                 out.extend(rule.replacement)
@@ -384,45 +436,43 @@ class CopyDrafter:
             self._generalise(span, replacement)
 
     def _generalise(self, span: list[int], replacement: list[int]) -> None:
-        """A renamed word is renamed in every token it appears in: ` items` -> ` records` also
-        gives `_items` -> `_records`, ` item` -> ` record` and `Item` -> `Record` for the
-        tokens of the sources (what is left of the two texts without their common ends)."""
+        """A renamed word is renamed in every token it appears in as a whole word (snake_case
+        parts count): ` items` -> ` records` also gives `_items` -> `_records`, `(items` ->
+        `(records` and `Items` -> `Records` for the tokens of the sources. Only whole words: a
+        stem carried over to other forms guesses wrong (`records` -> `entries` is not `record`
+        -> `entrie`), and the target teaches the other forms where it writes them."""
         old, new = (b"".join(map(self.vocab.piece, t)).decode("utf-8", "replace") for t in (span, replacement))
-        prefix = len(os.path.commonprefix([old, new]))
-        old, new = old[prefix:], new[prefix:]
-        suffix = len(os.path.commonprefix([old[::-1], new[::-1]]))
-        old, new = old[: len(old) - suffix], new[: len(new) - suffix]
+        old, new = _without_common_ends(old, new)
         if len(old) < MIN_RENAME or not old.isidentifier() or not new.isidentifier():
             return
         variants = {old: new, old.lower(): new.lower(), old.capitalize(): new.capitalize(), old.upper(): new.upper()}
+        words = re.compile("|".join(rf"(?<![A-Za-z0-9]){re.escape(a)}(?![A-Za-z0-9])" for a in variants))
         for token in set(self.sources[CONTEXT]) | set(self.sources[PREDICTION]):
             text = self.vocab.piece(token).decode("utf-8", "replace")
-            renamed = text
-            for a, b in variants.items():
-                renamed = renamed.replace(a, b)
+            renamed = words.sub(lambda m: variants[m.group()], text)
             if renamed != text and (token,) != tuple(span):
-                self.rules.add(Rule((token,), tuple(self.vocab.tokenize(renamed, add_special=False))))
+                self.rules.add(Rule((token,), tuple(self.vocab.tokenize(renamed, add_special=False)), seen=False))
 
     # --- anchoring ----------------------------------------------------------------
-    def _anchor(self) -> None:
-        """Point into a source again: near where the pointer was lost, else anywhere."""
+    def _anchor(self, a: Alignment) -> None:
+        """Point into the source again: near where the alignment was lost, else anywhere."""
         context = self.sources[CONTEXT]
-        gap = self.gap
-        if gap and self.lost_evidence >= MIN_LOST and len(context) - gap.context_len <= LOCAL_SPAN:
-            if self._anchor_near(gap) or gap.source == PREDICTION:
+        gap = a.gap
+        if gap and a.lost_evidence >= MIN_LOST and len(context) - gap.context_len <= LOCAL_SPAN:
+            if self._anchor_near(a, gap) or a.source == PREDICTION:
                 return  # lost in the prediction, the answer is expected back there soon: wait for it
-        self._anchor_anywhere()
+        self._anchor_anywhere(a)
 
-    def _anchor_near(self, gap: Gap) -> bool:
-        source, lost_at, lost_len = gap.source, gap.pos, gap.context_len
-        context, tokens = self.sources[CONTEXT], self.sources[source]
+    def _anchor_near(self, a: Alignment, gap: Gap) -> bool:
+        lost_at, lost_len = gap.pos, gap.context_len
+        context, tokens = self.sources[CONTEXT], self.sources[a.source]
         for k, reach in LOCAL_REACH:
             if k > len(context):
                 continue
             suffix = context[-k:]
             # positions q just past a copy of the suffix, nearest to the loss first (forward on ties)
             # (in the context itself, only before the loss: after it is the target's own new text)
-            end = lost_len if source == CONTEXT else len(tokens) - 1
+            end = lost_len if a.source == CONTEXT else len(tokens) - 1
             lo, hi = max(k, lost_at - LOCAL_BACK + k), min(end, lost_at + reach + k)
             for q in sorted(range(lo, hi + 1), key=lambda q: (abs(q - k - lost_at), q < lost_at + k)):
                 if tokens[q - k : q] == suffix:
@@ -430,26 +480,33 @@ class CopyDrafter:
                     self._learn(tokens[lost_at : q - k], context[lost_len : len(context) - k])
                     # a long alignment found again just past a small edit still counts (all of
                     # it in a prediction: the client said the answer repeats it)
-                    keeps = 1.0 if source == PREDICTION else REANCHOR_KEEPS
-                    self.ptr, self.evidence = Pointer(source, q), max(k, int(self.lost_evidence * keeps))
+                    keeps = 1.0 if a.source == PREDICTION else REANCHOR_KEEPS
+                    a.set(q, max(k, int(a.lost_evidence * keeps)))
                     return True
         return False
 
-    def _anchor_anywhere(self) -> None:
-        """The longest n-gram ending the context that occurs in a source: the prediction's
-        next occurrence past where it was followed to, else the context's latest."""
-        context = self.sources[CONTEXT]
-        for n in self.indexes[CONTEXT].sizes:
+    def _anchor_anywhere(self, a: Alignment) -> None:
+        """The longest n-gram ending the context that occurs in the source: in the prediction its
+        next occurrence past where it was followed to, in the context its latest."""
+        context, index = self.sources[CONTEXT], self.indexes[a.source]
+        for n in index.sizes:
             if n >= len(context):
                 continue
-            key = tuple(context[-n:])
-            if found := self.indexes[PREDICTION].tables[n].get(key):
-                q = next((q for q in found if q >= self.prediction_pos), found[-1])
-                self.ptr, self.evidence = Pointer(PREDICTION, q), n
+            if found := index.tables[n].get(tuple(context[-n:])):
+                at = next((q for q in found if q >= a.followed), found[-1]) if a.source == PREDICTION else found[-1]
+                a.set(at, n)
                 return
-            if found := self.indexes[CONTEXT].tables[n].get(key):
-                self.ptr, self.evidence = Pointer(CONTEXT, found[-1]), n
-                return
+
+
+def _without_common_ends(old: str, new: str) -> tuple[str, str]:
+    """The two texts without the punctuation and spaces they begin and end with alike."""
+    start = 0
+    while start < min(len(old), len(new)) and old[start] == new[start] and not old[start].isalnum():
+        start += 1
+    end = 0
+    while end < min(len(old), len(new)) - start and old[-1 - end] == new[-1 - end] and not old[-1 - end].isalnum():
+        end += 1
+    return old[start : len(old) - end], new[start : len(new) - end]
 
 
 class GrammarDrafter:

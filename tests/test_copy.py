@@ -26,9 +26,9 @@ def test_anchors_on_the_longest_match_and_follows_the_target():
     context = [1, 2, 3, 4, 5, 6, 9, 3, 4, 7, 8, 1, 2, 3, 4]
     draft = follow_and_draft(drafter, context, 10)
     assert draft.tokens == [5, 6, 9, 3, 4, 7, 8, 1, 2, 3] and draft.q is None  # the 4-gram wins over "3 4 -> 7"
-    assert draft.source == "copy" and drafter.evidence == 4
+    assert draft.source == "copy" and drafter.alignments[0].evidence == 4
     # the target took two of them: the pointer moves along, no new lookup
-    assert follow_and_draft(drafter, context + [5, 6], 3).tokens == [9, 3, 4] and drafter.evidence == 6
+    assert follow_and_draft(drafter, context + [5, 6], 3).tokens == [9, 3, 4] and drafter.alignments[0].evidence == 6
 
 
 def test_never_matches_the_context_suffix_itself_and_starts_over_on_a_new_context():
@@ -63,7 +63,7 @@ def test_a_substitution_the_target_disagrees_with_is_forgotten():
     context += [13, 14, 15, 16, 50, 17]
     follow_and_draft(drafter, context, 64)
     context += [18, 19, 20, 7]  # this time the target kept 7
-    assert follow_and_draft(drafter, context, 3).tokens == [21, 22, 99] and drafter.ptr is not None
+    assert follow_and_draft(drafter, context, 3).tokens == [21, 22, 99] and drafter.alignments[0].pos is not None
     drafter = CopyDrafter(sizes=(3,), conversation=drafter.conversation)  # a new request starts clean
     drafter.begin(PROMPT + [10, 11, 12])
     assert follow_and_draft(drafter, PROMPT + [10, 11, 12], 12).tokens == SOURCE[3:]

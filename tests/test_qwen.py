@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import assert_greedy_match
 
@@ -35,3 +37,31 @@ def test_qwen_greedy_speculative_equals_no_draft(qwen_engine):
     tokens = qwen_engine.prompt_tokens(PROMPT)
     assert_greedy_match("qwen-coder", qwen_engine.target, tokens, baseline.tokens, spec.tokens)
     assert spec.stats.acceptance_rate > 0.5, spec.stats.summary()
+
+
+MODULE = (Path(__file__).parent / "data" / "rename_module.py").read_text()
+RENAME = (
+    "Rename the variable `records` to `entries` everywhere in this file (parameters and locals too)"
+    f" and return the whole file, unchanged otherwise.\n\n```python\n{MODULE}```"
+)
+
+
+def test_a_prediction_never_costs_rounds_on_a_code_edit(qwen_engine):
+    """The edit an editor sends: the original file as the prediction, one renamed a little too
+    widely, or the answer itself; each gives the same answer as none, in no more rounds (fixed
+    copy drafting, γ 64: rounds do not depend on timing); the answer itself in at most 0.6x."""
+
+    def edit(prediction: str | None):
+        return qwen_engine.generate(
+            RENAME, temperature=0, max_tokens=256, draft_mode="copy", gamma=64, prediction=prediction
+        )
+
+    alone = edit(None)
+    too_wide = MODULE.replace("records", "entries").replace("Record", "Entry")
+    rounds = {}
+    for name, prediction in (("original", MODULE), ("near", too_wide), ("answer", alone.text)):
+        answer = edit(prediction)
+        assert answer.tokens == alone.tokens, name
+        rounds[name] = answer.stats.rounds
+        assert answer.stats.rounds <= alone.stats.rounds, (name, rounds, alone.stats.rounds)
+    assert rounds["answer"] <= 0.6 * alone.stats.rounds, (rounds, alone.stats.rounds)
