@@ -50,13 +50,17 @@ SPECULATION = (
 
 def load_prompts() -> list[dict]:
     """The prompt classes; one with `prediction_from` sends the code block of another
-    class's prompt (the file being edited) as the predicted output."""
+    class's prompt (the file being edited) as the predicted output, with `prediction_replace`
+    done to it (a prediction a little off); with `prediction_is_answer`, the target's own answer
+    is the prediction instead (made when the class runs)."""
     prompts = tomllib.loads(PROMPTS_FILE.read_text())["prompt"]
     by_name = {p["name"]: p for p in prompts}
     for p in prompts:
         if source := p.get("prediction_from"):
             p["text"] = by_name[source]["text"]
             p["prediction"] = re.search(r"```\w*\n(.*?)```", p["text"], flags=re.S).group(1)
+            if replace := p.get("prediction_replace"):
+                p["prediction"] = p["prediction"].replace(*replace)
     return prompts
 
 
@@ -108,6 +112,11 @@ def run_bench(
         schema = prompt.get("json_schema")
         class_modes = modes + [UNCONSTRAINED] if schema else modes
 
+        if prompt.get("prediction_is_answer"):  # (greedy: the answer of every mode)
+            answer = engine.generate(
+                _request(DraftMode.OFF, prompt=prompt, raw=raw, max_tokens=max_tokens, gamma=fixed_gamma)
+            )
+            prompt = prompt | {"prediction": answer.text}
         request_of = partial(_request, prompt=prompt, raw=raw, max_tokens=max_tokens, gamma=fixed_gamma)
         runs = run_modes(engine, class_modes, request_of, repeats, prompt["name"], log, llama)
         rows.append(mode_rows(prompt["name"], runs) | {"ceiling": _ceiling(verify_curve)})

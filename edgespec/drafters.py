@@ -175,8 +175,8 @@ class Substitutions:
 
     def add(self, rule: Rule) -> None:
         """The rule, in place of any for the same span; a rule carried over from a rename never
-        replaces one the target was seen to follow (`records` -> `entries` stays where a later
-        `Record` -> `Entry` would make it `entrys`)."""
+        replaces one the target was seen to follow (`data` -> `payload` stays where a later
+        `Data` -> `Record`, carried over to lower case, would make it `record`)."""
         if not rule.seen and any(r.span == rule.span and r.seen for r in self.table.get(rule.span[0], ())):
             return
         self.forget(rule.span)
@@ -436,17 +436,18 @@ class CopyDrafter:
             self._generalise(span, replacement)
 
     def _generalise(self, span: list[int], replacement: list[int]) -> None:
-        """A renamed word is renamed in every token it appears in as a whole word (snake_case
-        parts count): ` items` -> ` records` also gives `_items` -> `_records`, `(items` ->
-        `(records` and `Items` -> `Records` for the tokens of the sources. Only whole words: a
-        stem carried over to other forms guesses wrong (`records` -> `entries` is not `record`
-        -> `entrie`), and the target teaches the other forms where it writes them."""
+        """A renamed identifier is renamed in every token it appears in whole: ` items` ->
+        ` records` also gives `(items` -> `(records` and `Items` -> `Records` for the tokens of
+        the sources. Only whole identifiers: a stem carried over to other forms guesses wrong
+        (`records` -> `entries` is not `record` -> `entrie`), so does a part of a longer name
+        (renaming `area` leaves `circle_area`), and the target teaches the others where it
+        writes them."""
         old, new = (b"".join(map(self.vocab.piece, t)).decode("utf-8", "replace") for t in (span, replacement))
         old, new = _without_common_ends(old, new)
         if len(old) < MIN_RENAME or not old.isidentifier() or not new.isidentifier():
             return
         variants = {old: new, old.lower(): new.lower(), old.capitalize(): new.capitalize(), old.upper(): new.upper()}
-        words = re.compile("|".join(rf"(?<![A-Za-z0-9]){re.escape(a)}(?![A-Za-z0-9])" for a in variants))
+        words = re.compile("|".join(rf"(?<!\w){re.escape(a)}(?!\w)" for a in variants))
         for token in set(self.sources[CONTEXT]) | set(self.sources[PREDICTION]):
             text = self.vocab.piece(token).decode("utf-8", "replace")
             renamed = words.sub(lambda m: variants[m.group()], text)

@@ -84,6 +84,42 @@ def test_a_prediction_is_drafted_from_its_start_and_found_again_after_a_preamble
     assert follow_and_draft(drafter, [1, 2, 3], 4).tokens == []
 
 
+def test_the_context_and_the_prediction_both_draft_every_round():
+    """Each source keeps its own alignment: the prediction's after it parted from the answer,
+    the context's meanwhile (the prompt holds the text being rewritten)."""
+    prediction = [30, 31, 32, 33, 34, 35, 36, 37]
+    drafter = CopyDrafter(prediction=prediction, sizes=(3,))
+    context = [1, 2, 3, 40, 41, 42, 43, 44, 45, 9]
+    drafter.begin(context)
+    [opening] = drafter.lookups(4)  # the context has no match yet; the prediction, from its start
+    assert (opening.draft.tokens, opening.draft.source, opening.evidence) == ([30, 31, 32, 33], "prediction", 16)
+    context += [40, 41, 42]  # the answer repeats the prompt, not the prediction
+    lookups = {lookup.draft.source: lookup for lookup in follow_and_draft_all(drafter, context, 3)}
+    assert lookups["copy"].draft.tokens == [43, 44, 45] and "prediction" not in lookups
+    context += [43, 30, 31, 32]  # ... and comes to the prediction
+    lookups = {lookup.draft.source: lookup for lookup in follow_and_draft_all(drafter, context, 3)}
+    assert lookups["prediction"].draft.tokens == [33, 34, 35] and lookups["prediction"].evidence >= 3
+
+
+def follow_and_draft_all(drafter: CopyDrafter, context: list[int], n: int):
+    drafter.accept(context)
+    return drafter.lookups(n)
+
+
+def test_a_prediction_quoted_in_a_fence_gains_the_fence(smollm2):
+    """An edit request quotes the file in a fenced block; the answer opens with the same fence."""
+    code = "def area(w, h):\n    return w * h\n"
+    prompt = smollm2.tokenize(f"Rename area to surface.\n\n```python\n{code}```\n", add_special=False)
+    drafter = CopyDrafter(vocab=smollm2, prediction=smollm2.tokenize(code, add_special=False))
+    drafter.begin(prompt)
+    [lookup] = drafter.lookups(64)
+    text = b"".join(map(smollm2.piece, lookup.draft.tokens)).decode()
+    assert text == f"```python\n{code}"
+    plain = CopyDrafter(vocab=smollm2, prediction=smollm2.tokenize(code, add_special=False))
+    plain.begin(smollm2.tokenize("Write a function.", add_special=False))  # not quoted: as given
+    assert b"".join(map(smollm2.piece, plain.lookups(64)[0].draft.tokens)).decode() == code
+
+
 # --- renames on a real tokenizer ---------------------------------------------------
 
 MODULE = """def load_items(rows):
@@ -222,3 +258,33 @@ def test_first_and_second_token_laws_are_the_targets(smollm2, prediction):
         sources.add(first.source)
     assert sources == {"draft", "target"}  # both paths (accepted draft, resampled) were exercised
     assert chi_square_pvalue(counts, joint, runs) > 0.01
+
+
+def test_a_rename_carries_over_whole_words_only(smollm2):
+    """` records` -> ` entries` renames every token holding the whole word `records` (or
+    `Records`), and leaves ` record` alone (its stem would be `entrie`); a rename the target was
+    seen to write is not overridden by one carried over from another (` Records` -> ` Items`,
+    carried over to lower case, would make ` records` ` items`)."""
+    text = "def f(records, max_records):\n    for record in records:\n        Records(record)\n"
+    tokens = smollm2.tokenize(text, add_special=False)
+    drafter = CopyDrafter(vocab=smollm2, prediction=tokens)
+    pieces = {t: smollm2.piece(t).decode() for t in set(tokens)}
+
+    def tok(piece: str) -> list[int]:
+        return smollm2.tokenize(piece, add_special=False)
+
+    def renamed(token: int) -> str | None:
+        rule = drafter.rules.match([token], 0)
+        return None if rule is None else b"".join(map(smollm2.piece, rule.replacement)).decode()
+
+    drafter._learn(tok(" records"), tok(" entries"))
+    holding = [t for t, piece in pieces.items() if "records" in piece.lower()]
+    assert len(holding) >= 2  # ` records`, `records` or `_records`, `Records`
+    for t in holding:
+        assert renamed(t) == pieces[t].replace("records", "entries").replace("Records", "Entries")
+    singular = [t for t, piece in pieces.items() if piece.strip() == "record"]
+    assert singular and all(renamed(t) is None for t in singular)
+    drafter._learn(tok(" Record"), tok(" Entry"))
+    assert all(renamed(t).strip() == "entry" for t in singular)
+    drafter._learn(tok(" Records"), tok(" Items"))
+    assert renamed(tok(" records")[0]) == " entries"
