@@ -85,20 +85,23 @@ def test_a_prediction_is_drafted_from_its_start_and_found_again_after_a_preamble
 
 
 def test_the_context_and_the_prediction_both_draft_every_round():
-    """Each source keeps its own alignment: the prediction's after it parted from the answer,
-    the context's meanwhile (the prompt holds the text being rewritten)."""
-    prediction = [30, 31, 32, 33, 34, 35, 36, 37]
+    """Each source keeps its own alignment, and each drafts what it says comes next: the
+    controller weighs the two (the prediction's after it parted from the answer is found again)."""
+    prediction = [40, 41, 42, 50, 51, 52, 53]
     drafter = CopyDrafter(prediction=prediction, sizes=(3,))
     context = [1, 2, 3, 40, 41, 42, 43, 44, 45, 9]
     drafter.begin(context)
     [opening] = drafter.lookups(4)  # the context has no match yet; the prediction, from its start
-    assert (opening.draft.tokens, opening.draft.source, opening.evidence) == ([30, 31, 32, 33], "prediction", 16)
-    context += [40, 41, 42]  # the answer repeats the prompt, not the prediction
-    lookups = {lookup.draft.source: lookup for lookup in follow_and_draft_all(drafter, context, 3)}
-    assert lookups["copy"].draft.tokens == [43, 44, 45] and "prediction" not in lookups
-    context += [43, 30, 31, 32]  # ... and comes to the prediction
-    lookups = {lookup.draft.source: lookup for lookup in follow_and_draft_all(drafter, context, 3)}
-    assert lookups["prediction"].draft.tokens == [33, 34, 35] and lookups["prediction"].evidence >= 3
+    assert (opening.draft.tokens, opening.draft.source, opening.evidence) == ([40, 41, 42, 50], "prediction", 16)
+    context += [40, 41, 42]  # both agree so far
+    lookups = {lookup.draft.source: lookup.draft.tokens for lookup in follow_and_draft_all(drafter, context, 3)}
+    assert lookups == {"copy": [43, 44, 45], "prediction": [50, 51, 52]}
+    context += [43, 44]  # the answer repeats the prompt: the prediction is lost, the context's copy goes on
+    lookups = {lookup.draft.source: lookup.draft.tokens for lookup in follow_and_draft_all(drafter, context, 3)}
+    assert lookups == {"copy": [45, 9, 40]}
+    context += [50, 51]  # ... and comes back to the prediction, which is found again nearby
+    lookups = {lookup.draft.source: lookup.draft.tokens for lookup in follow_and_draft_all(drafter, context, 3)}
+    assert lookups["prediction"] == [52, 53]
 
 
 def follow_and_draft_all(drafter: CopyDrafter, context: list[int], n: int):
