@@ -303,17 +303,17 @@ def print_report(report: dict) -> None:
         print(line + "; after a rejection the kept tokens ride in the next pass")
     if report["prompts"]:  # (none where only fim or rounds were asked for)
         print(
-            f"{'prompt':<15}{'mode':<7}{'tok/s':>8}{'vs off':>9}{'prefill':>9}{'alpha':>7}{'tok/round':>10}"
+            f"{'prompt':<16}{'mode':<7}{'tok/s':>8}{'vs off':>9}{'prefill':>9}{'alpha':>7}{'tok/round':>10}"
             f"{'mean γ':>8}{'E[n]':>7}  rounds"
         )
     for row in report["prompts"]:
         ceiling = row["ceiling"]
         print(
-            f"{row['prompt']:<15}ceiling {ceiling['speedup']:.2f}x"
+            f"{row['prompt']:<16}ceiling {ceiling['speedup']:.2f}x"
             f" (a perfect free draft, passes of {ceiling['pass_size']})"
         )
         for mode, m in row["modes"].items():
-            line = f"{row['prompt']:<15}{mode:<7}{m['tokens_per_s']:>8.2f}{m['speedup']:>8.2f}x"
+            line = f"{row['prompt']:<16}{mode:<7}{m['tokens_per_s']:>8.2f}{m['speedup']:>8.2f}x"
             line += f"{m['prefill_tokens_per_s']:>9.1f}"
             if "acceptance_rate" in m:
                 line += (
@@ -328,7 +328,7 @@ def print_report(report: dict) -> None:
             print(line)
         if "best_fixed" in row:
             print(
-                f"{row['prompt']:<15}auto is {row['auto_vs_best_fixed']:.2f}x the best fixed mode ({row['best_fixed']})"
+                f"{row['prompt']:<16}auto is {row['auto_vs_best_fixed']:.2f}x the best fixed mode ({row['best_fixed']})"
             )
     if report["fim"]:
         fim_bench.print_rows(report["fim"])
