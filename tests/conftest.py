@@ -5,13 +5,15 @@ from __future__ import annotations
 import llama_cpp
 import numpy as np
 import pytest
+from reference import excused
 
-from edgespec import Engine, Model, ModelDrafter
+from edgespec import Engine, Model, ModelDrafter, calibration
+from edgespec.cost_curve import CostCurve
+from edgespec.costs import MachineCosts
 from edgespec.loader import resolve_model
 from edgespec.sampling import distribution, position_uniforms
 
-NEAR_TIE = 1.0  # logits; see assert_greedy_match
-near_ties: list[str] = []
+near_ties: list[str] = []  # seeded sampled answers that part at a float edge (assert_sampled_match)
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +35,10 @@ def requantized_path(smollm2_path, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    model = Model(smollm2_path, n_ctx=1024)
+    """The target of the exactness tests, with flash attention: llama.cpp's CPU kernels then round a
+    verify pass as they do a single step (measured: see reference.py), so greedy answers must equal
+    llama-cpp-python's exactly."""
+    model = Model(smollm2_path, n_ctx=1024, flash_attn=True)
     yield model
     model.close()
 
@@ -54,32 +59,22 @@ def requant_engine(smollm2, requantized_path):
     draft.close()
 
 
-def replay_margins(model: Model, prompt: list[int], output: list[int]) -> list[float]:
-    """Top-2 logit gap at each generated position, replaying `output` one token per
-    decode as the no-draft run computed it."""
-    margins = []
-    model.truncate(0)
-    logits = model.eval(prompt)
-    for token in output:
-        top2 = np.partition(logits, -2)[-2:]
-        margins.append(float(top2[1] - top2[0]))
-        logits = model.eval([token])
-    model.truncate(0)
-    return margins
+def with_a_word_changed(text: str) -> str:
+    """A prediction of `text` that is wrong in its middle word: copies hold up to it, are rejected
+    there, and are found again after it."""
+    words = text.split(" ")
+    words[len(words) // 2] = "banana"
+    return " ".join(words)
 
 
-def assert_greedy_match(name: str, model: Model, prompt: list[int], baseline: list[int], speculative: list[int]):
-    """Greedy speculative output must equal the no-draft output token for token, or
-    up to a first divergence where the no-draft run's top-2 logits are within
-    NEAR_TIE: llama.cpp's logits shift slightly with the decode batch size."""
-    if speculative == baseline:
-        return
-    n = min(len(baseline), len(speculative))
-    first = next((i for i in range(n) if baseline[i] != speculative[i]), n)
-    assert first < n, f"{name}: one output is a strict prefix of the other ({len(baseline)} vs {len(speculative)})"
-    margin = replay_margins(model, prompt, baseline[: first + 1])[first]
-    assert margin < NEAR_TIE, f"{name}: outputs diverge at token {first} where the no-draft top-2 gap is {margin:.3f}"
-    near_ties.append(f"{name}: diverged at token {first}/{n}, top-2 gap {margin:.3f}")
+class GpuCosts(MachineCosts):
+    """Costs as on a GPU, whatever this machine measures: a pass of up to 64 tokens costs one step,
+    a draft model's step a tenth of one. Auto then drafts wherever a draft has a chance, so that an
+    auto case cannot pass by never drafting (this CPU's costs may say drafting does not pay)."""
+
+    def curve(self, model: Model, sizes=calibration.TARGET_SIZES) -> CostCurve:
+        step = 0.01 if sizes == calibration.TARGET_SIZES else 0.001
+        return self._curves.setdefault((model, sizes), CostCurve({k: step for k in sizes}))
 
 
 BOUNDARY = 0.02  # of probability mass; see assert_sampled_match
@@ -109,6 +104,9 @@ def assert_sampled_match(name, model, prompt, baseline, other, params, seed):
 
 
 def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_sep("-", f"equality with no-draft runs: {len(near_ties)} float near-tie divergence(s)")
+    terminalreporter.write_sep("-", f"greedy answers as Llama's: {len(excused)} float near-tie divergence(s)")
+    for line in excused:
+        terminalreporter.write_line(line)
+    terminalreporter.write_sep("-", f"seeded answers with and without drafts: {len(near_ties)} float edge(s)")
     for line in near_ties:
         terminalreporter.write_line(line)

@@ -91,6 +91,22 @@ def feed(controller, accepted, drafted, rounds=1):
         controller.observe(plan, draft, accepted, timing, [1, 2, 3])
 
 
+def tokens_per_round(alpha: float, gamma: int) -> float:
+    """E[tokens a round yields], summed over its outcomes: the first rejection at draft i (i drafts
+    kept, the target's own token added), or none (gamma kept and the bonus token)."""
+    return sum(alpha**i * (1 - alpha) * (i + 1) for i in range(gamma)) + alpha**gamma * (gamma + 1)
+
+
+def test_expected_tokens_is_the_mean_over_a_rounds_outcomes():
+    by_hand = {(0.5, 1): 1.5, (0.5, 2): 1.75, (0.8, 4): 3.3616, (1.0, 4): 5.0, (0.0, 4): 1.0, (0.9, 0): 1.0}
+    for (alpha, gamma), tokens in by_hand.items():
+        assert expected_tokens(alpha, gamma) == pytest.approx(tokens)
+        assert tokens_per_round(alpha, gamma) == pytest.approx(tokens)
+    for alpha in (0.1, 0.37, 0.93, 0.999):
+        for gamma in (1, 3, 16, 64):
+            assert expected_tokens(alpha, gamma) == pytest.approx(tokens_per_round(alpha, gamma))
+
+
 @pytest.mark.parametrize("alpha", [0.3, 0.6, 0.8, 0.9, 0.97])
 @pytest.mark.parametrize("curve", [CPU, GPU], ids=["cpu", "gpu"])
 def test_controller_picks_the_gamma_the_formula_says(alpha, curve):
@@ -98,7 +114,7 @@ def test_controller_picks_the_gamma_the_formula_says(alpha, curve):
     controller.acceptance_of("model").accepted = alpha * 1e6  # evidence overwhelming the prior
     controller.acceptance_of("model").rejected = (1 - alpha) * 1e6
     lengths = [k - 1 for k in curve.sizes(13) if k > 1]  # those whose verify pass has a known or small size
-    rates = {g: expected_tokens(alpha, g) / (g * DRAFT(1) + curve(g + 1)) for g in lengths}
+    rates = {g: tokens_per_round(alpha, g) / (g * DRAFT(1) + curve(g + 1)) for g in lengths}
     best = max(rates, key=rates.get)
     plan = controller.plan([1, 2, 3], 100)  # no n-gram match in this context
     if rates[best] > (1 + MIN_GAIN) / curve(1):

@@ -89,9 +89,10 @@ def test_messages_whole_and_streamed_agree(server):
 def test_messages_stop_sequences_and_max_tokens(server):
     client = claude(server)
     sea = [{"role": "user", "content": "Write two sentences about the sea."}]
+    whole = client.messages.create(model="x", messages=sea, max_tokens=60, **GREEDY).content[0].text
     stopped = client.messages.create(model="x", messages=sea, max_tokens=60, stop_sequences=["e"], **GREEDY)
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "e")
-    assert "e" not in stopped.content[0].text if stopped.content else True
+    assert "e" in whole and stopped.content[0].text == whole[: whole.index("e")]  # the text before it, all of it
     capped = client.messages.create(model="x", messages=sea, max_tokens=3, **GREEDY)
     assert capped.stop_reason == "max_tokens" and capped.usage.output_tokens == 3
 

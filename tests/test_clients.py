@@ -6,6 +6,8 @@ prompt cache across alternating conversations."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,10 @@ if not CLIENTS.is_dir():  # CI's clone sits beside shared/ too; a checkout elsew
 def recorded(name: str) -> dict:
     path = CLIENTS / name
     if not path.is_file():
-        pytest.skip(f"no recorded client requests at {CLIENTS}")
+        missing = f"no recorded client request {name} at {CLIENTS}"
+        if os.environ.get("CI") == "true":  # CI always has them: a missing one is a broken setup, not a skip
+            pytest.fail(missing)
+        pytest.skip(missing)
     return json.loads(path.read_text())
 
 
@@ -286,3 +291,13 @@ def test_an_answer_that_loops_says_so():
     finally:
         assert s.stop() == 0
     assert any("repeat one" in line and "looping" in line for line in s.lines), "".join(s.lines)
+
+
+def test_in_ci_a_missing_recorded_client_fails_instead_of_skipping(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys.modules[__name__], "CLIENTS", tmp_path)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="no recorded client request aider.json"):
+        recorded("aider.json")
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception):
+        recorded("aider.json")

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import httpx
 import pytest
-from conftest import assert_greedy_match
+from reference import assert_greedy_as_llama
 from test_clients import recorded
 from test_server import Server
 
@@ -47,14 +47,14 @@ def test_greedy_fim_answers_are_the_same_with_speculation_on_and_off(engine):
     drafted = 0
     for case in cases(2):
         request = replace(case.request("off"), max_tokens=24, min_indent=0)
-        baseline = engine.generate(request)
-        prompt = engine.prompt_tokens(request)
-        assert prompt.count(engine.target.fim.middle) == 1 and baseline.stats.n_tokens > 0
-        for mode, gamma in (("copy", 8), ("model", 3), ("auto", "auto")):  # fixed γ: drafts whatever they cost
+        prompt = engine.prompt_tokens(request)  # (a FIM prompt: its rendering is test_fim's)
+        assert prompt.count(engine.target.fim.middle) == 1
+        for mode, gamma in (("off", None), ("copy", 8), ("model", 3), ("auto", "auto")):
             other = engine.generate(replace(request, draft_mode=mode, gamma=gamma))
-            assert_greedy_match(f"{case.name} {mode}", engine.target, prompt, baseline.tokens, other.tokens)
+            assert other.stats.n_tokens > 0 and other.finish_reason in ("length", "stop"), other.finish_reason
+            assert_greedy_as_llama(f"{case.name} {mode}", engine, prompt, other.tokens, limit=24)
             drafted += other.stats.drafted
-    assert drafted > 0  # the check above compared speculation, not three plain runs
+    assert drafted > 0  # the check above compared speculation, not plain runs
 
 
 def test_the_answer_ends_at_an_end_of_generation_token_of_fim(engine):

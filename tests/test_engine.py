@@ -9,13 +9,12 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import assert_greedy_match
-from scipy import stats as scipy_stats
+from conftest import GpuCosts
+from reference import assert_first_token_law, assert_greedy_as_llama
 
 import edgespec
 from edgespec import Draft, DraftMode, EdgespecError, Engine, Model, ModelDrafter, Request, SamplingParams
 from edgespec.loader import resolve_model
-from edgespec.sampling import distribution
 
 PROMPTS = [
     "Write a Python function that returns the factorial of n.",
@@ -53,8 +52,8 @@ def test_greedy_speculative_equals_no_draft(request, engine_name, prompt):
     if engine_name == "self_engine":  # q == p: a draft model whose cache follows the answer drafts what it writes
         assert spec.stats.acceptance_rate > 0.8
     assert baseline.stats.mode == "target-only" and baseline.stats.drafted == 0
-    tokens = engine.prompt_tokens(prompt)
-    assert_greedy_match(f"{engine_name}/{prompt[:20]}", engine.target, tokens, baseline.tokens, spec.tokens)
+    assert_greedy_as_llama(f"{engine_name}/{prompt[:20]} alone", engine, prompt, baseline.tokens, limit=48)
+    assert_greedy_as_llama(f"{engine_name}/{prompt[:20]}", engine, prompt, spec.tokens, limit=48)
     if spec.tokens == baseline.tokens:
         assert spec.text == baseline.text
 
@@ -62,10 +61,9 @@ def test_greedy_speculative_equals_no_draft(request, engine_name, prompt):
 def test_bad_drafter_still_gives_target_output(smollm2):
     engine = Engine(smollm2, RandomDrafter(smollm2.n_vocab), gamma=4, draft_mode="model")
     prompt = PROMPTS[0]
-    baseline = engine.generate(prompt, speculative=False, **GREEDY)
     spec = engine.generate(prompt, **GREEDY)
     assert spec.stats.acceptance_rate < 0.05  # nearly every round rejects and truncates the KV cache
-    assert_greedy_match("random-drafter", smollm2, engine.prompt_tokens(prompt), baseline.tokens, spec.tokens)
+    assert_greedy_as_llama("random-drafter", engine, prompt, spec.tokens, limit=48)
 
 
 def test_bad_drafter_sampled_mode_is_reproducible(smollm2):
@@ -78,44 +76,18 @@ def test_bad_drafter_sampled_mode_is_reproducible(smollm2):
     assert first.tokens == second.tokens and first.stats.n_tokens == 24
 
 
-def assert_first_token_law(engine: Engine, prompt: str, params: dict, gamma: int, runs: int) -> None:
-    """The first generated token over `runs` seeded runs follows the target's exact law
-    (chi-square), through draft + accept/resample: both paths must be taken."""
-    tokens = engine.prompt_tokens(prompt, raw=True)
-    # the target's probabilities for that position, from a batch shaped like a verify batch
-    target = engine.target
-    target.eval(tokens[target.sync(tokens) : -1])
-    logits = target.eval([tokens[-1]] + [tokens[-1]] * gamma, rows=gamma + 1)[0]
-    p = distribution(logits, SamplingParams(**params))
-    counts: dict[int, int] = {}
-    sources = set()
-    rng = np.random.default_rng(123)
-    for _ in range(runs):
-        events = engine.stream(prompt, raw=True, gamma=gamma, max_tokens=8, seed=int(rng.integers(2**32)), **params)
-        first = next(events)
-        events.close()
-        counts[first.token] = counts.get(first.token, 0) + 1
-        sources.add(first.source)
-    assert sources == {"draft", "target"}  # both paths (accepted draft, resampled) were exercised
-    support = np.flatnonzero(p)
-    assert set(counts) <= set(support.tolist())
-    observed = np.array([counts.get(int(t), 0) for t in support])
-    expected = p[support] * runs
-    big = expected >= 5  # pool rare tokens into one bin so the test is valid
-    obs = np.r_[observed[big], observed[~big].sum()]
-    exp = np.r_[expected[big], expected[~big].sum()]
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    assert len(exp) >= 3 and scipy_stats.chisquare(obs, exp).pvalue > 0.01
-
-
 ANIMAL = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSure! My favourite animal is the"
 
 
 @pytest.mark.slow
-def test_first_token_distribution_matches_target(requant_engine):
-    """Sampled mode, top-k 20: SmolLM2 drafted by its Q4_0 copy (q != p)."""
-    assert_first_token_law(requant_engine, ANIMAL, dict(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0), 3, 2000)
+@pytest.mark.parametrize("mode", ["model", "hybrid", "auto"])
+def test_first_token_distribution_matches_target(requant_engine, mode, monkeypatch):
+    """Sampled mode, top-k 20: SmolLM2 drafted by its Q4_0 copy (q != p); auto on costs that make it
+    draft (GpuCosts), with the draft length it chooses."""
+    monkeypatch.setattr(requant_engine, "costs", GpuCosts())
+    params = dict(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0)
+    gamma = "auto" if mode == "auto" else 3
+    assert_first_token_law(requant_engine, ANIMAL, params, gamma, 2000, draft_mode=mode)
 
 
 @pytest.mark.slow
@@ -172,9 +144,8 @@ def test_multi_turn_reuses_kv_prefix(self_engine):
     self_engine.target.truncate(0)
     cold = self_engine.chat(messages, temperature=0, max_tokens=16)
     assert cold.stats.n_prompt_cached == 0
-    assert_greedy_match(
-        "multi-turn", self_engine.target, self_engine.prompt_tokens(messages), cold.tokens, second.tokens
-    )
+    assert_greedy_as_llama("multi-turn, cold", self_engine, messages, cold.tokens, limit=16)
+    assert_greedy_as_llama("multi-turn", self_engine, messages, second.tokens, limit=16)
 
 
 def test_provenance_and_stats(self_engine):

@@ -32,7 +32,11 @@ def test_the_gpu_check_runs_on_a_cpu_and_reports_every_figure(tmp_path, smollm2_
     assert report["machine"]["cpu"] and report["gpu_layers"] == 0
     costs = report["costs"]
     assert costs["verify_steps"]["1"] == 1.0 and {"2", "4", "8", "16", "32", "64"} <= set(costs["verify_steps"])
-    assert costs["draft_step_s"] > 0 and costs["ceiling"]["speedup"] >= 1.0
+    assert costs["draft_step_s"] > 0
+    # the ceiling is a perfect free draft's best rate, max over k of k / V(k) (in steps; its extremes lie at
+    # measured points, V being linear between them)
+    rate, size = max((int(k) / v, int(k)) for k, v in costs["verify_steps"].items())
+    assert costs["ceiling"] == {"speedup": pytest.approx(rate, abs=0.01), "pass_size": size}
     equality = report["greedy_equality"]
     modes = {row["mode"] for row in equality}
     assert {"model", "copy", "hybrid", "auto", "copy+prediction"} <= modes
@@ -51,7 +55,7 @@ def test_the_gpu_check_runs_on_a_cpu_and_reports_every_figure(tmp_path, smollm2_
     assert cases["prediction = greedy answer (alpha 1)"]["copy"]["acceptance_rate"] > 0.95
     assert cases["draft model = target (alpha 1)"]["model"]["acceptance_rate"] > 0.95
     assert cases["random draft model (alpha ~0)"]["model"]["acceptance_rate"] < 0.2
-    assert all(row["ceiling"]["speedup"] >= 1.0 for row in report["known_alpha"])
+    # (the rows' ceilings come from curves their runs moved, which the report does not hold: checked above)
     markdown = (out / "report.md").read_text()
     for heading in (
         "## Costs",

@@ -8,14 +8,11 @@ import time
 import jsonschema
 import numpy as np
 import pytest
-from conftest import NEAR_TIE, near_ties
-from llama_cpp.llama_grammar import LlamaGrammar
-from test_copy import chi_square_pvalue
+from reference import assert_greedy_as_llama, chi_square_pvalue, law_after
 
 from edgespec import Engine
 from edgespec.errors import EdgespecError
 from edgespec.grammar import Grammar, GrammarError, json_schema_gbnf
-from edgespec.kernels import plain_llama
 from edgespec.sampling import SamplingParams, constrained, constrained_argmax
 
 PERSON = {
@@ -43,70 +40,26 @@ COFFEE = "Order for the café as JSON: a large coffee with milk and sugar, 3.50,
 LIST_GBNF = 'root ::= item ("\\n" item){2}\nitem ::= "- " [a-z]+ (" " [a-z]+)?'
 
 
-def llama_reference(model, tokens: list[int], gbnf: str, max_tokens: int) -> list[int]:
-    """Greedy decoding with plain llama-cpp-python and the same grammar (on `model`'s kernels:
-    repacked ones crash on some CPUs)."""
-    llm = plain_llama(model.path, model.repack, n_ctx=1024, verbose=False)
-    out = []
-    for token in llm.generate(tokens, temp=0, grammar=LlamaGrammar.from_string(gbnf, verbose=False)):
-        if llm.token_eos() == token or len(out) == max_tokens:
-            break
-        out.append(token)
-    llm.close()
-    return out
-
-
-def assert_constrained_match(name, model, prompt, gbnf, baseline, other):
-    """Greedy outputs under a grammar are equal, or part where the baseline's top two
-    allowed tokens are within NEAR_TIE (logits shift slightly with the batch size)."""
-    if other == baseline:
-        return
-    n = min(len(baseline), len(other))
-    first = next((i for i in range(n) if baseline[i] != other[i]), n)
-    assert first < n, f"{name}: one output is a strict prefix of the other"
-    grammar = Grammar(model, gbnf)
-    for token in baseline[:first]:
-        grammar.accept(token)
-    model.truncate(0)
-    logits = model.eval(prompt + baseline[:first]).copy()
-    model.truncate(0)
-    allowed = np.flatnonzero(grammar.allows(np.arange(model.n_vocab)))
-    top = np.sort(logits[allowed])[-2:]
-    assert top[1] - top[0] < NEAR_TIE, f"{name}: diverged at {first}, allowed top-2 gap {top[1] - top[0]:.3f}"
-    near_ties.append(f"{name}: diverged at token {first}/{n}, allowed top-2 gap {top[1] - top[0]:.3f}")
-
-
 @pytest.mark.parametrize(
     "prompt,constraint", [(ADA, {"json_schema": PERSON}), ("List three fruits.", {"grammar": LIST_GBNF})]
 )
 @pytest.mark.slow
 def test_greedy_under_a_grammar_equals_llama_cpp_python(smollm2, smollm2_path, requant_engine, prompt, constraint):
-    """Greedy is the argmax of p_g: the same tokens as llama-cpp-python's sampler with the
-    same grammar, with no draft, with copies and forced text, and with a draft model."""
+    """Greedy is the argmax of p_g: the same tokens as llama-cpp-python's with llama.cpp's grammar
+    sampler (reference.py), with no draft, with copies and forced text, and with a draft model."""
     engine = Engine(smollm2)
-    tokens = engine.prompt_tokens(prompt)
     gbnf = constraint.get("grammar") or json_schema_gbnf(constraint["json_schema"])
-    reference = llama_reference(smollm2, tokens, gbnf, 120)
     plain = engine.generate(prompt, temperature=0, max_tokens=120, speculative=False, **constraint)
-    # the same passes but the prompt's last token (llama-cpp-python evaluates it with the prompt):
-    # equal up to a float near-tie
-    assert_constrained_match("grammar no draft", smollm2, tokens, gbnf, reference, plain.tokens)
+    assert_greedy_as_llama("grammar no draft", engine, prompt, plain.tokens, limit=120, gbnf=gbnf)
     for name, run in {
         "free drafts": engine.generate(prompt, temperature=0, max_tokens=120, draft_mode="copy", **constraint),
         "draft model": requant_engine.generate(prompt, temperature=0, max_tokens=120, **constraint),
     }.items():
-        assert_constrained_match(f"grammar {name}", smollm2, tokens, gbnf, reference, run.tokens)
+        assert_greedy_as_llama(f"grammar {name}", engine, prompt, run.tokens, limit=120, gbnf=gbnf)
     # a fixed gamma drafts whatever the costs measured on a busy machine say (auto may draft nothing)
     free = engine.generate(prompt, temperature=0, max_tokens=120, draft_mode="copy", gamma=4, **constraint)
-    assert_constrained_match("grammar fixed free drafts", smollm2, tokens, gbnf, reference, free.tokens)
+    assert_greedy_as_llama("grammar fixed free drafts", engine, prompt, free.tokens, limit=120, gbnf=gbnf)
     assert free.stats.accepted_by_source.get("grammar", 0) > 0  # forced text was drafted and kept
-
-
-def constrained_law(engine: Engine, tokens: list[int], grammar: Grammar, params, width: int) -> np.ndarray:
-    """p_g after `tokens`, from a batch shaped like a verify batch."""
-    target = engine.target
-    target.eval(tokens[target.sync(tokens) : -1])
-    return constrained(target.eval([tokens[-1]] * width, rows=width)[0], params, grammar.allows)
 
 
 PARAMS = dict(temperature=1.0, top_k=8, top_p=1.0, min_p=0.0)
@@ -121,17 +74,12 @@ def test_first_two_tokens_follow_the_constrained_law(smollm2, requant_engine, dr
     through forced drafts and through a draft model whose q is masked the same way."""
     engine = Engine(smollm2, None, gamma=4, draft_mode="copy") if drafting == "forced" else requant_engine
     prompt = "Write a JSON object with one small number in it."
-    tokens = engine.prompt_tokens(prompt)
-    params = SamplingParams(**PARAMS)
-    start = Grammar(smollm2, DIGITS)
-    width = 5  # the verify batch of gamma 4 (its logits differ a little from other batch sizes')
-    p1 = constrained_law(engine, tokens, start, params, width)
+    width = 5  # the verify batch of gamma 4 (see reference.py)
+    p1 = law_after(engine, prompt, width=width, raw=False, gbnf=DIGITS, **PARAMS)
     support = np.flatnonzero(p1)
-    p2 = {}
-    for t in support:
-        after = start.clone()
-        after.accept(int(t))
-        p2[int(t)] = constrained_law(engine, tokens + [int(t)], after, params, width - 1)
+    p2 = {
+        int(t): law_after(engine, prompt, [int(t)], width=width - 1, raw=False, gbnf=DIGITS, **PARAMS) for t in support
+    }
     joint = np.concatenate([p1[t] * p2[int(t)] for t in support])
     counts = np.zeros(len(support) * len(p1))
     sources = set()

@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from llama_cpp import Llama
+from reference import reference_for
 
 from edgespec import Engine, Model, ModelDrafter, Request
 from edgespec.errors import EdgespecError
-from edgespec.kernels import plain_llama
 from edgespec.logprobs import MAX_TOP, log_softmax
 
 PROMPT = "def fibonacci(n):\n    "
@@ -38,10 +38,7 @@ def engine(smollm2_path):
 
 @pytest.fixture(scope="module")
 def llama(engine):
-    target = engine.target
-    llm = plain_llama(target.path, target.repack, n_ctx=1024, logits_all=True, flash_attn=True, verbose=False)
-    yield llm
-    llm.close()
+    return reference_for(engine.target).llm  # Llama as the target is set up (reference.py)
 
 
 def llama_logprobs(llm: Llama, prompt: list[int], answer: list[int] = ()) -> np.ndarray:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from conftest import assert_greedy_match
+from reference import assert_greedy_as_llama
 
 import edgespec
 from edgespec import Request, Stats
@@ -74,8 +74,8 @@ def test_chat_equals_the_library_answer(server, engine):
     reply = server.client().chat.completions.create(model="smollm2", messages=HELLO, temperature=0, max_tokens=24)
     direct = engine.chat(HELLO, temperature=0, max_tokens=24)
     served = engine.target.tokenize(reply.choices[0].message.content, add_special=False)
-    if served != direct.tokens:  # a float near-tie: check where they part
-        assert_greedy_match("server", engine.target, engine.prompt_tokens(HELLO), direct.tokens, served)
+    assert_greedy_as_llama("library", engine, HELLO, direct.tokens, limit=24)
+    assert_greedy_as_llama("server", engine, HELLO, served, limit=24)
     assert reply.usage.completion_tokens == len(served)
     assert reply.usage.prompt_tokens == direct.stats.n_prompt
     assert reply.choices[0].finish_reason in ("stop", "length")
@@ -184,25 +184,24 @@ def test_prediction_is_used_and_counted(server, engine):
         messages=ask,
         temperature=0,
         max_tokens=60,
-        prediction={"type": "content", "content": code},
+        prediction={"type": "content", "content": code.replace("sub(a, b)", "subtract(a, b)")},  # wrong in one name
         extra_body={"draft_mode": "copy", "gamma": 8},  # draft whenever there is a copy (auto may wait)
     )
     plain_tokens, predicted_tokens = (
         engine.target.tokenize(reply.choices[0].message.content, add_special=False) for reply in (plain, predicted)
     )
-    if predicted_tokens != plain_tokens:  # a float near-tie (a batch's logits differ a little): check where
-        assert_greedy_match(
-            "server prediction", engine.target, engine.prompt_tokens(ask), plain_tokens, predicted_tokens
-        )
-    details = predicted.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+    assert_greedy_as_llama("server", engine, ask, plain_tokens, limit=60)
+    assert_greedy_as_llama("server prediction", engine, ask, predicted_tokens, limit=60)
+    details, speculative = predicted.usage.completion_tokens_details, predicted.model_extra["speculative"]
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens > 0  # at `subtract`
+    drafted = speculative["drafted_by_source"]["prediction"]
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == drafted
     assert predicted.model_extra["speculative"]["rounds_by_source"].get("prediction", 0) > 0
 
 
 @pytest.mark.slow
 def test_eight_concurrent_clients(server, engine):
     prompts = [[{"role": "user", "content": f"Name a fruit that starts with the letter {c}."}] for c in "ABCDEFGH"]
-    expected = {i: engine.chat(p, temperature=0, max_tokens=12).tokens for i, p in enumerate(prompts)}
     answers: dict[int, list] = {i: [] for i in range(8)}
 
     def client_thread(i: int) -> None:
@@ -219,8 +218,7 @@ def test_eight_concurrent_clients(server, engine):
     for i in range(8):
         assert len(answers[i]) == 3 and len(set(answers[i])) == 1, answers[i]
         served = engine.target.tokenize(answers[i][0], add_special=False)
-        if served != expected[i]:
-            assert_greedy_match(f"concurrent {i}", engine.target, engine.prompt_tokens(prompts[i]), expected[i], served)
+        assert_greedy_as_llama(f"concurrent {i}", engine, prompts[i], served, limit=12)
 
 
 def test_a_client_that_drops_mid_stream_frees_the_engine(server):
@@ -320,7 +318,9 @@ def test_structured_output_through_the_openai_client(server):
     import jsonschema
 
     client = server.client()
-    ask = [{"role": "user", "content": "Northwind recalled 48,000 kettles. As JSON, please."}]
+    ask = [
+        {"role": "user", "content": "As a JSON object with keys company and units: Northwind recalled 48,000 kettles."}
+    ]
     formats = {
         "json_schema": {"type": "json_schema", "json_schema": {"name": "recall", "schema": RECALL, "strict": True}},
         "json_object": {"type": "json_object"},
@@ -329,11 +329,11 @@ def test_structured_output_through_the_openai_client(server):
         answer = client.chat.completions.create(
             model="x", messages=ask, temperature=0, max_tokens=120, response_format=response_format
         )
-        if answer.choices[0].finish_reason == "stop":
-            value = json.loads(answer.choices[0].message.content)
-            assert isinstance(value, dict)
-            if name == "json_schema":
-                jsonschema.validate(value, RECALL)
+        assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content  # a whole object
+        value = json.loads(answer.choices[0].message.content)
+        assert isinstance(value, dict)
+        if name == "json_schema":
+            jsonschema.validate(value, RECALL)
     extra = client.chat.completions.create(
         model="x", messages=ask, temperature=0, max_tokens=120, extra_body={"json_schema": RECALL}
     )
