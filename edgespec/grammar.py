@@ -55,6 +55,7 @@ CHAR_RULE = ('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')  # (the c
 FIX_GBNF = "fix it (GBNF as llama.cpp's grammars/README.md describes)"
 FIX_SCHEMA = "fix the schema (JSON Schema as llama.cpp's json_schema_to_grammar supports)"
 CONVERTER = importlib.util.find_spec("llama_cpp.llama_grammar").origin
+COMPOSED = {"anyOf", "oneOf", "allOf", "enum", "const", "$ref"}  # a list of types beside these is left as it is
 
 
 class GrammarError(EdgespecError):
@@ -108,12 +109,31 @@ def json_schema_gbnf(schema: dict | str, name: str = "") -> str:
         raise GrammarError(f"a JSON schema is an object, not {type(schema).__name__}; {FIX_SCHEMA}")
     if len(text := json.dumps(schema)) > MAX_SCHEMA_CHARS:
         raise GrammarError(f"the JSON schema has {len(text)} characters, more than {MAX_SCHEMA_CHARS}")
+    schema = _one_type_each(schema)
     request = dict(kind="json_schema", converter=CONVERTER, schema=schema, name=name, max_chars=MAX_GRAMMAR_CHARS)
     what = "converting the JSON schema"
     answer = sandbox.answer(request, SCHEMA_SECONDS, what=what, fix=FIX_SCHEMA, error=GrammarError)
     if "too_long" in answer:
         raise GrammarError(f"the JSON schema makes a grammar of {answer['too_long']} characters; simplify it")
     return _compact(answer["gbnf"])
+
+
+def _one_type_each(schema):
+    """The schema with each list of types ({"type": ["string", "null"], "maxLength": 30}) written as
+    a choice of one type each ({"anyOf": [{"type": "string", "maxLength": 30}, {"type": "null"}]}):
+    the converter reads a list of types as bare types and drops their limits (maxLength, items,
+    properties), so answers it allowed broke the schema. Keywords of other types are ignored by
+    validators, so every choice keeps them all."""
+    if isinstance(schema, list):
+        return [_one_type_each(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: _one_type_each(value) for key, value in schema.items()}
+    types = schema.get("type")
+    if isinstance(types, list) and not COMPOSED & schema.keys():
+        rest = {key: value for key, value in schema.items() if key != "type"}
+        return {"anyOf": [{"type": kind, **rest} for kind in types]}
+    return schema
 
 
 def grammar_text(grammar: str | None, json_schema: dict | str | None) -> str | None:

@@ -125,6 +125,20 @@ def test_forced_text_and_its_ends(smollm2):
     assert grammar.finished()
 
 
+def test_a_list_of_types_keeps_its_limits(smollm2):
+    """{"type": ["string", "null"], "maxLength": 5}: llama.cpp's converter alone drops the limit (an
+    ORDER answer's 66-character note passed the grammar and failed the schema)."""
+
+    def allowed(schema: dict, text: str) -> bool:
+        tokens = smollm2.tokenize(text, add_special=False)
+        return Grammar(smollm2, json_schema_gbnf(schema)).allowed_prefix(tokens) == tokens
+
+    note = {"type": ["string", "null"], "maxLength": 5}
+    assert allowed(note, '"abcde"') and allowed(note, "null") and not allowed(note, '"abcdef"')
+    items = {"type": ["array", "null"], "items": {"type": "integer"}, "maxItems": 1}
+    assert allowed(items, "[1]") and allowed(items, "null") and not allowed(items, "[1, 2]")
+
+
 def test_constrained_law_keeps_p_where_it_can():
     """p_g ∝ p·1[allowed]; where the grammar forbids all of p's support, the allowed tokens' own law."""
     logits = np.array([5.0, 4.0, 3.0, 0.0, -1.0])
