@@ -56,6 +56,7 @@ FIX_GBNF = "fix it (GBNF as llama.cpp's grammars/README.md describes)"
 FIX_SCHEMA = "fix the schema (JSON Schema as llama.cpp's json_schema_to_grammar supports)"
 CONVERTER = importlib.util.find_spec("llama_cpp.llama_grammar").origin
 COMPOSED = {"anyOf", "oneOf", "allOf", "enum", "const", "$ref"}  # a list of types beside these is left as it is
+VALUES = {"enum", "const", "default", "examples"}  # keywords whose values are JSON data, not schemas
 
 
 class GrammarError(EdgespecError):
@@ -128,7 +129,7 @@ def _one_type_each(schema):
         return [_one_type_each(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    schema = {key: _one_type_each(value) for key, value in schema.items()}
+    schema = {key: value if key in VALUES else _one_type_each(value) for key, value in schema.items()}
     types = schema.get("type")
     if isinstance(types, list) and not COMPOSED & schema.keys():
         rest = {key: value for key, value in schema.items() if key != "type"}
