@@ -63,19 +63,6 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
 
-    def request_for(self, index: int, previous: str) -> Request:
-        """The request of answer `index`: a seeded request's seed + index, and (where the request
-        gives no prediction) the answer before as its predicted output. Answers to one prompt are
-        much alike, so the next is drafted from the last where they agree; each is still drawn
-        from the target's law (the same answer as a request of that seed alone)."""
-        if index == 0:
-            return self.request
-        sampling = self.request.sampling
-        if sampling.seed is not None:
-            sampling = replace(sampling, seed=sampling.seed + index)
-        prediction = self.request.prediction or previous or None
-        return replace(self.request, sampling=sampling, prediction=prediction, prompt_logprobs=False)  # scored once
-
     def capped(self, max_tokens: int | None) -> Job:
         """This job with the server's cap on an answer whose request sets no limit."""
         if self.request.max_tokens is not None or max_tokens is None:

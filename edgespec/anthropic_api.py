@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from starlette.responses import JSONResponse
 
 from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, refused, sse
-from .api_body import answer_limit, json_field, sampling_of, speculation_of
+from .api_body import answer_limit, json_field, own_fields, sampling_of
 from .request import Request, RequestError, stop_strings
 from .stats import Stats
 from .tools import ToolCall
@@ -53,7 +53,7 @@ def request_of(body: dict, *, counting: bool = False) -> Request:
         stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
         json_schema=_schema(body),
         **_tools(body),
-        **speculation_of(body),
+        **own_fields(body),
     )
 
 

@@ -19,10 +19,10 @@ def sampling_of(body: dict) -> SamplingParams:
     return checked(lambda: replace(DEFAULT_SAMPLING, **{k: v for k, v in sampling.items() if v is not None}))
 
 
-def speculation_of(body: dict) -> dict:
+def own_fields(body: dict) -> dict:
     """edgespec's own fields of an API request body, as Request's keywords (which checks them):
-    draft_mode and gamma."""
-    return {"draft_mode": body.get("draft_mode"), "gamma": body.get("gamma")}
+    draft_mode, gamma and heal (token healing, where the prompt is raw text or an infill)."""
+    return {"draft_mode": body.get("draft_mode"), "gamma": body.get("gamma"), "heal": json_field(body, "heal", (bool,))}
 
 
 def text_of(content, param: str, parts: tuple[str, ...] = ("text",)) -> str:

@@ -118,6 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         grammar=_read_text(args.grammar, "grammar"),
         json_schema=_read_text(args.json_schema, "JSON schema"),
         logprobs=args.logprobs,
+        heal=args.heal or None,
     )
     with _load(args) as engine:
         events = engine.stream(request)
@@ -306,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); trimmed from the output")
     g.add_argument("--raw", action="store_true", help="send PROMPT as plain completion text, no chat template")
+    g.add_argument(
+        "--heal",
+        action="store_true",
+        help="with --raw: token healing, for a PROMPT that ends mid-word (its last tokens go back, the answer"
+        " begins with their text and prints what follows it)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument(
         "--logprobs",

@@ -26,10 +26,9 @@ import numpy as np
 from .cost_curve import expected_tokens
 from .costs import DECAY, RoundCosts
 from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter
-from .grammar import Grammar
 from .modes import DraftMode, Gamma, Source, adaptive
 from .prompt_cache import common_prefix
-from .sampling import SamplingParams
+from .sampling import Constraint, SamplingParams
 from .stats import RoundReport, RoundTiming
 
 MODEL_PRIOR_ALPHA = 0.7
@@ -254,10 +253,10 @@ class Controller:
         plan.draft = Draft(draft.tokens[: plan.gamma], None, source=draft.source)
         return plan
 
-    def plan(self, context: list[int], room: int, grammar: Grammar | None = None) -> Plan:
+    def plan(self, context: list[int], room: int, grammar: Constraint | None = None) -> Plan:
         """The round's plan, learning nothing (observe() does): a copy or forced plan carries
-        its draft already. Under a grammar (in its state after `context`), a copy is cut where
-        the grammar forbids it (the rest would be rejected)."""
+        its draft already. Under a constraint (a grammar, or token healing; in its state after
+        `context`), a copy is cut where it is forbidden (the rest would be rejected)."""
         if room <= 0 or self.mode is DraftMode.OFF:
             return NO_DRAFT
         fixed = self.gamma.fixed
@@ -302,10 +301,10 @@ class Controller:
         context: list[int],
         params: SamplingParams,
         rng: np.random.Generator,
-        grammar: Grammar | None = None,
+        grammar: Constraint | None = None,
     ) -> Draft:
-        """The plan's draft (possibly empty: speculation off for the round); under `grammar`
-        (in its state after `context`), one the grammar allows."""
+        """The plan's draft (possibly empty: speculation off for the round); under a constraint
+        `grammar` (in its state after `context`), one it allows."""
         if plan.source is Source.OFF:
             return Draft([], None, source=Source.OFF)
         if plan.draft is not None:

@@ -15,10 +15,10 @@ from typing import Protocol
 
 import numpy as np
 
-from .grammar import MAX_FORCED_CHARS, Grammar
+from .grammar import MAX_FORCED_CHARS
 from .model import Model
 from .modes import Source
-from .sampling import Law, SamplingParams, constrained_argmax, constrained_law, law
+from .sampling import Constraint, Law, SamplingParams, law
 
 CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
 SOURCE_NAMES = (Source.COPY, Source.PREDICTION)  # what a copy draft reports as its source, per source
@@ -62,14 +62,15 @@ class Drafter(Protocol):
         params: SamplingParams,
         rng: np.random.Generator,
         stop_below: Sequence[float] = (),
-        grammar: Grammar | None = None,
+        grammar: Constraint | None = None,
     ) -> Draft:
         """Propose up to n tokens to follow `context`. A drafter that knows its
         confidence stops before token i once the product of its confidences in
         tokens 0..i falls below stop_below[i] (a hint; others may ignore it).
-        grammar: the answer's grammar in its state after `context` (not to be advanced:
-        clone it to walk ahead); a drafter that samples masks its q with it, so that
-        min(1, p_g/q_g) stays exact."""
+        grammar: what the answer is held to (its grammar, or its token healing) in its
+        state after `context` (not to be advanced: clone it to walk ahead); a drafter
+        that samples draws from its law (constraint.law), so that min(1, p_g/q_g) stays
+        exact."""
 
     def accept(self, context: list[int]) -> None:
         """A round is over: `context` is the sequence now (the drafts the target kept, and its token)."""
@@ -92,7 +93,7 @@ class ModelDrafter:
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None) -> Draft:
         model = self.model
-        walk = grammar.clone() if grammar is not None else None  # the grammar along this draft
+        walk = grammar.clone() if grammar is not None else None  # the constraint along this draft
         logits = model.eval(context[len(model.tokens) :])  # the tokens written since its last draft
         model.checkpoint()  # a recurrent state: the next round's sync comes back here
         tokens: list[int] = []
@@ -101,15 +102,11 @@ class ModelDrafter:
         shared = min(model.n_vocab, self.target_vocab)  # token ids both vocabularies have
         while True:
             if params.greedy:
-                token = int(np.argmax(logits)) if walk is None else constrained_argmax(logits[:shared], walk.allows)
-                # (without the grammar's mask: a hint is all it needs to be)
+                token = int(np.argmax(logits)) if walk is None else walk.argmax(logits[:shared])
+                # (without the constraint's mask: a hint is all it needs to be)
                 confidence = 1.0 / np.exp(logits - logits[token]).sum() if stop_below else 1.0
             else:
-                q = (
-                    law(logits[:shared], params, model)
-                    if walk is None
-                    else constrained_law(logits[:shared], params, walk.allows, model)
-                )
+                q = law(logits[:shared], params, model) if walk is None else walk.law(logits[:shared], params, model)
                 q_rows.append(q)
                 token = q.sample(rng.random())
                 confidence = q.prob(token)

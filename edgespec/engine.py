@@ -5,24 +5,28 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from . import calibration
 from .chat import PromptTooLong, render
 from .controller import Controller, Drafters
-from .costs import MachineCosts
+from .costs import MachineCosts, Recheck
 from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter
 from .errors import EdgespecError, PromptExceedsContext
-from .fim import FimTokens, Infill, layout
+from .fim import FimPrompt, FimTokens, Infill
 from .grammar import Grammar, grammar_text
+from .healing import Healed, Healing, heal, pieces_of
+from .keystrokes import Keystrokes
 from .logprobs import TokenLogprob
 from .model import Model
 from .modes import DraftMode, Gamma, adaptive, check_mode, draft_modes
 from .request import Prompt, Request
-from .run import Event, Run
+from .run import PREFILL_CHUNK, Event, Run
 from .stats import Stats
 from .tools import ToolCall, call_grammar, prepare
 
 MAX_CHARS_PER_TOKEN = 256  # longer than any token of the tokenizers we know (Qwen2.5's longest: 128 bytes)
+IDLE_PASS_S = 0.25  # idle work reads prompts in passes this long at most: a request that comes waits for one
 
 
 @dataclass
@@ -44,8 +48,8 @@ class Engine:
     call close(), to free llama.cpp's memory.
 
     Use an engine (from load() on) from one thread (see engine_thread.py: the chat app
-    and the server keep all engine work on an EngineThread, which also runs upkeep()
-    when idle)."""
+    and the server keep all engine work on an EngineThread, which also does its idle
+    work, idle_step(), when nothing is queued)."""
 
     def __init__(
         self,
@@ -71,16 +75,57 @@ class Engine:
         self.conversation = Conversation()  # the copy drafters' index of the conversation, kept between requests
         self._owned = [target] if owned is None else list(owned)
         self.costs = MachineCosts(timer)
+        self.keystrokes: Keystrokes | None = None  # an editor's requests' memory, from the first infill on
+        self._idle: IdleRun | None = None  # the idle work under way
 
     @property
     def draft_model(self) -> Model | None:
         """The draft model, if the drafter runs one."""
         return self.drafter.model if self.drafter is not None else None
 
-    def upkeep(self) -> None:
-        """Time again the costs the last answers found stale, if any: for when the engine is idle
-        (an EngineThread calls it then; the command line after its answer)."""
-        self.costs.upkeep()
+    def upkeep(self, until: float | None = None) -> None:
+        """The idle work there is: time again the costs the last answers found stale, and read
+        ahead for an editor's next keystroke (keystrokes.py). For when the engine is idle (an
+        EngineThread does it then, a step at a time; the command line after its answer).
+        until: a time.perf_counter() to stop at (None: when it is all done)."""
+        while (until is None or perf_counter() < until) and self.idle_step():
+            pass
+
+    def idle_step(self) -> bool:
+        """One step of idle work (a cost re-check, or a prompt pass or round of an editor's next
+        request, IDLE_PASS_S at most on this machine); False where there was none. A request
+        started meanwhile stops the work in progress; what it read stays cached."""
+        if self.costs.recheck is not Recheck.NONE:
+            self.costs.upkeep()
+            return True
+        if self._idle is None:
+            work = self.keystrokes.next_idle() if self.keystrokes is not None else None
+            if work is None:
+                return False
+            try:
+                run = self._start(work.request, layout=work.layout, prefill_chunk=self._idle_chunk())
+            except EdgespecError:
+                return True
+            self._idle = IdleRun(run, run.steps())
+        idle = self._idle
+        try:
+            step = next(idle.steps)
+        except (StopIteration, EdgespecError):
+            self._idle = None
+            return True
+        if step is not None:
+            idle.text.append(step.text)
+            if step.done:
+                self._idle = None
+                self.keystrokes.answered(idle.run.request, idle.run.layout, "".join(idle.text), idle=True)
+        return True
+
+    def _idle_chunk(self) -> int:
+        """Prompt tokens an idle pass reads: the most that take IDLE_PASS_S at most here (on a
+        2-core CPU 16 tokens, on a GPU a whole PREFILL_CHUNK)."""
+        costs = self.costs.of_request(self.target, None)
+        sizes = [k for k in costs.pass_sizes(PREFILL_CHUNK) if costs.verify_pass(k) <= IDLE_PASS_S]
+        return max(sizes, default=1)
 
     @property
     def draft_modes(self) -> tuple[DraftMode, ...]:
@@ -99,16 +144,61 @@ class Engine:
         """The request's Run, ready to give its events (the prompt rendered and checked, the grammar
         compiled). cancelled: set it from another thread to stop the run at its next prefill chunk or
         round (a server's client gone)."""
-        request = _request(request, options).settled(self.draft_mode, self.gamma)
+        self._stop_idle()
+        return self._start(_request(request, options), cancelled=cancelled)
+
+    def _stop_idle(self) -> None:
+        """A request comes first: the idle work under way stops, and what it read is kept (a head
+        is read a few tokens at a time, in the gaps between keystrokes)."""
+        if self._idle is not None and self.target.prompt_cache is not None:
+            self.target.prompt_cache.keep(self.target)
+        self._idle = None
+
+    def _start(
+        self,
+        request: Request,
+        *,
+        cancelled: threading.Event | None = None,
+        layout: FimPrompt | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ) -> Run:
+        """start()'s Run; layout: a fill-in-the-middle prompt as given (idle work reading a head)."""
+        request = request.settled(self.draft_mode, self.gamma)
         check_mode(request.draft_mode, has_model=self.drafter is not None)
-        tokens = self.prompt_tokens(request)
+        target = self.target
+        if isinstance(request.prompt, Infill):
+            layout = layout or self._fim_prompt(request.prompt)
+            tokens, healable = self._fitting(layout.tokens), len(layout.head.tokens)
+        else:
+            tokens, healable = self.prompt_tokens(request), 0
         gbnf = grammar_text(request.grammar, request.json_schema)
         if request.calls_tools and request.tool_choice.call_schema is not None:  # a call is forced: its grammar
             gbnf = call_grammar(request.tool_choice, request.parallel_tool_calls)
-        grammar = Grammar(self.target, gbnf) if gbnf is not None else None
-        prediction = self.target.tokenize(request.prediction, add_special=False) if request.prediction else ()
-        copy = CopyDrafter(vocab=self.target, prediction=prediction, conversation=self.conversation)
-        return Run(self.target, request, tokens, self._controller(request, copy), grammar, cancelled)
+        constraint = Grammar(target, gbnf) if gbnf is not None else None
+        healed = Healed(len(tokens), b"")
+        if request.healed:  # the prompt's last word goes back: the answer writes it again, whole
+            healed = heal(tokens, healable, pieces_of(target), target.piece)
+            tokens = tokens[: healed.kept]
+            constraint = Healing(pieces_of(target), healed.removed, target.piece) if healed.removed else None
+        prediction = request.prediction
+        if prediction is None and isinstance(request.prompt, Infill) and self.keystrokes is not None:
+            prediction = self.keystrokes.prediction(request.prompt)  # where the user types what was suggested
+        if prediction and healed.removed:  # the answer's tokens write the healed text first
+            prediction = healed.removed.decode("utf-8", "ignore") + prediction
+        prediction_tokens = target.text_tokens(prediction) if prediction else ()
+        copy = CopyDrafter(vocab=target, prediction=prediction_tokens, conversation=self.conversation)
+        controller = self._controller(request, copy)
+        return Run(
+            target,
+            request,
+            tokens,
+            controller,
+            constraint,
+            cancelled,
+            healed=healed.removed,
+            layout=layout,
+            prefill_chunk=prefill_chunk,
+        )
 
     def generate(self, request: Request | Prompt, **options) -> Generation:
         """Like stream(), but return the whole answer (with tools: its text and tool calls apart)."""
@@ -135,18 +225,21 @@ class Engine:
         the tools), tokenized, and checked against the context (fit=False: counted whatever
         its length, up to what the tokenizer is given at all)."""
         request, target = _request(request, options), self.target
+        if isinstance(request.prompt, Infill):
+            return self._fitting(self._fim_prompt(request.prompt).tokens, fit)
         # a text this long cannot fit in the context whatever its tokens: refused before
         # llama.cpp's tokenizer spends seconds (and memory) on it
         max_chars = MAX_CHARS_PER_TOKEN * target.n_ctx
-        if isinstance(request.prompt, Infill):
-            tokens = self._infill_tokens(request, max_chars)
-        else:
-            tokens = target.tokenize(self._prompt_text(request, max_chars), add_special=True, parse_special=True)
-        if not tokens:
-            raise EdgespecError("the prompt is empty; give some text")
+        tokens = target.tokenize(self._prompt_text(request, max_chars), add_special=True, parse_special=True)
         if len(tokens) > 1 and tokens[0] == tokens[1] == target.bos:  # template wrote BOS and so did add_special
             tokens = tokens[1:]
-        if fit and len(tokens) >= target.n_ctx:
+        return self._fitting(tokens, fit)
+
+    def _fitting(self, tokens: list[int], fit: bool = True) -> list[int]:
+        """The prompt's tokens, refused if there are none, or (fit) more than the context holds."""
+        if not tokens:
+            raise EdgespecError("the prompt is empty; give some text")
+        if fit and len(tokens) >= self.target.n_ctx:
             raise self._too_long(f"{len(tokens)} tokens")
         return tokens
 
@@ -183,19 +276,16 @@ class Engine:
             )
         return fim
 
-    def _infill_tokens(self, request: Request, max_chars: int) -> list[int]:
-        """A fill-in-the-middle prompt in the target's FIM tokens (fim.layout)."""
-        target, infill = self.target, request.prompt
-        fim = self.fim_tokens()
-        if infill.chars > max_chars:
+    def _fim_prompt(self, infill: Infill) -> FimPrompt:
+        """A fill-in-the-middle prompt in the target's FIM tokens, on the anchor that keeps the most
+        of it cached (see keystrokes.py and fim.py)."""
+        target = self.target
+        if infill.chars > MAX_CHARS_PER_TOKEN * target.n_ctx:
             raise self._too_long(f"{infill.chars} characters")
-        return layout(
-            infill,
-            fim,
-            lambda text: target.tokenize(text, add_special=False),
-            n_ctx=target.n_ctx,
-            bos=target.bos if target.add_bos else None,
-        )
+        if self.keystrokes is None:
+            bos = target.bos if target.add_bos else None
+            self.keystrokes = Keystrokes(self.fim_tokens(), target, target.n_ctx, bos)
+        return self.keystrokes.prompt(infill, target.cached)
 
     def _too_long(self, size: str) -> PromptExceedsContext:
         return PromptExceedsContext(size, self.target.n_ctx)
@@ -209,9 +299,13 @@ class Engine:
     def events(self, run: Run) -> Iterator[Event]:
         """The events of a started Run (what stream() gives): a caller that must know the
         request is good before its prefill (the server) starts it, then takes its events."""
+        text = []
         for event in run.events():
+            text.append(event.text)
             if event.done:  # before the last event goes out: an engine thread re-checks once the answer is in
                 self.costs.answered(run.stats.prefill_s + run.stats.decode_s, run.controller.costs)
+                if run.layout is not None and run.stats.finish_reason != "cancelled":  # an editor's next keystroke
+                    self.keystrokes.answered(run.request, run.layout, "".join(text))
             yield event
 
     @property
@@ -221,7 +315,10 @@ class Engine:
 
     def forget(self) -> None:
         """Empty the KV caches and the saved prompts: the next prompt is evaluated from
-        scratch (as bench needs, to time prefill)."""
+        scratch (as bench needs, to time prefill), with no memory of an editor's keystrokes."""
+        self._idle = None
+        if self.keystrokes is not None:
+            self.keystrokes.forget()
         for model in self.models:
             model.truncate(0)
             if model.prompt_cache is not None:
@@ -249,6 +346,15 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class IdleRun:
+    """Idle work under way: its run, the run's steps still to take, and the text so far."""
+
+    run: Run
+    steps: Iterator[Event | None]
+    text: list[str] = field(default_factory=list)
 
 
 def _request(request: Request | Prompt, options: dict) -> Request:

@@ -4,8 +4,9 @@ llama.cpp's OpenMP builds give each thread that runs a model a thread team of it
 once the teams outnumber the cores every pass slows down (by a quarter on 2 cores,
 measured). So an engine is used from one thread only: the server and the chat app hand
 their work to an EngineThread, which runs it in order. When nothing is queued it does
-the engine's upkeep (Engine.upkeep: re-timing costs), so that never sits between an
-answer's last token and its return, nor delays a job that is waiting.
+the engine's idle work a step at a time (Engine.idle_step: re-timing costs, reading ahead
+for an editor's next keystroke), so that it never sits between an answer's last token and
+its return, and a job that comes waits for one step at most.
 
 A job that should stop early (a client gone, Esc in the chat) is told by its owner
 through a flag it reads each round; close() drops the jobs not started, then runs its last one.
@@ -17,9 +18,11 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from time import perf_counter
 
-from .costs import Recheck
 from .engine import Engine
+
+REST_S = 0.1  # after a job, the engine waits this long before it works idle
 
 
 class EngineThread:
@@ -53,11 +56,7 @@ class EngineThread:
 
     def _run(self) -> None:
         while True:
-            engine = self.engine
-            if engine is not None and engine.costs.recheck is not Recheck.NONE and self._jobs.empty():
-                engine.upkeep()  # idle: the engine's upkeep
-                continue
-            job = self._jobs.get()
+            job = self._next()
             if job is None:
                 return
             future, work, args = job
@@ -66,3 +65,16 @@ class EngineThread:
                     future.set_result(work(*args))
                 except BaseException as e:  # the caller's to report (as with an executor)
                     future.set_exception(e)
+
+    def _next(self) -> tuple[Future, Callable, tuple] | None:
+        """The next job; until it comes, from REST_S after the last on, the engine's idle work, a
+        step at a time (an editor sends its next request as the last answer comes: a step begun
+        then would delay it)."""
+        rested = perf_counter() + REST_S
+        while True:
+            try:
+                return self._jobs.get(timeout=max(0.0, rested - perf_counter()))
+            except queue.Empty:
+                pass
+            if self.engine is None or not self.engine.idle_step():
+                return self._jobs.get()

@@ -1,27 +1,32 @@
 """Fill-in-the-middle: what an editor's completion asks for (the code before the cursor, the
-code after it, snippets of other files), laid out in the model's own FIM tokens the way
-llama-server's /infill lays it out (the repo-level pattern of Qwen2.5-Coder's report,
-arXiv 2409.12186):
+code after it, snippets of other files), laid out in the model's own FIM tokens so that what a
+keystroke changes comes last:
 
-    [REP]myproject⏎ [SEP]file⏎ chunk ... [SEP]filename⏎ [PRE]prefix cursor-line [SUF]suffix [MID]
+    [REP]myproject⏎ [SEP]file⏎ chunk ... [SEP]filename⏎ [PRE]prefix [SUF]suffix [MID]typed
 
-The answer is the middle. Budgets as llama-server's (for its default 2048-token batch): the
-prefix's last 1536 tokens, the suffix's first 510 less the cursor line's, and the chunks' last
-tokens within what the context leaves after those and 256 tokens for the answer (a context
-under 4096 tokens: budgets from half of it). The cursor line is tokenized apart from the
-prefix, so a keystroke leaves the chunks and the prefix (and their cache) as they were, and
-only the cursor line and the suffix are read again: about 500 tokens with an editor's 64
-lines of suffix. Two layouts that read only 2-3 tokens a keystroke were measured on the
-default pair and lost the answers: the suffix first (llama-server's --spm-infill) completed
-none of 8 lines right, against 4 of 8 here (Qwen2.5-Coder is trained on this order); the
-cursor line after [MID] none of 6, against 3 of 6, because its last word is a token cut
-short ("sel" of "self"), which the model reads as a whole word (token healing would mend it).
+The prefix runs up to an anchor (the start of the cursor line, or of a line above it that an
+earlier request anchored on), the suffix is the rest of the cursor line and the lines below, and
+the text typed since the anchor comes after [MID], as a middle already begun: what the model saw
+in training is the middle so far, then its continuation. Everything up to [MID] (the head) stays
+the same while the user types, so a keystroke reads only its new tokens (keystrokes.py keeps the
+heads read and chooses the anchor; the middle's last word is healed, healing.py). Qwen2.5-Coder's
+repo-level pattern (arXiv 2409.12186) and llama-server's budgets, for its default 2048-token batch
+(a context under 4096 tokens: from half of it): the prefix's last 1536 tokens, the suffix's first
+510, the middle's last 256 at most, the chunks' last tokens within what the context leaves after
+those and 256 tokens for the answer. The budgets depend on nothing a keystroke changes, so the
+head stays the same token for token.
+
+llama-server puts the cursor line at the end of the prefix instead ([PRE]prefix+typed [SUF]suffix
+[MID]), so that every keystroke reads the cursor line and the whole suffix again (about 500 tokens
+with an editor's 64 lines below: 8 s on a 2-core CPU). The middle's form lost answers before it was
+healed: its last word is a token cut short ("sel" of "self"), which the model reads as a word.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .errors import EdgespecError
 
@@ -44,8 +49,8 @@ class Chunk:
 @dataclass(frozen=True)
 class Infill:
     """A completion at the cursor. prefix: the text before the cursor (llama.vscode: the lines
-    above); cursor_line: more of it, tokenized apart (llama-server's `prompt`: the cursor line up
-    to the cursor); suffix: the text after the cursor; chunks: snippets of other files."""
+    above); cursor_line: more of it (llama-server's `prompt`: the cursor line up to the cursor),
+    the middle already begun; suffix: the text after the cursor; chunks: snippets of other files."""
 
     prefix: str
     suffix: str
@@ -59,11 +64,16 @@ class Infill:
             raise EdgespecError("a fill-in-the-middle prompt's prefix, suffix, cursor line and chunks must be text")
 
     @classmethod
-    def at_cursor(cls, before: str, after: str) -> Infill:
+    def at_cursor(cls, before: str, after: str, chunks: Sequence[Chunk] = ()) -> Infill:
         """The completion between two texts (OpenAI's prompt and suffix): the last line of
         `before` is the cursor line."""
         start = before.rfind("\n") + 1
-        return cls(before[:start], after, before[start:])
+        return cls(before[:start], after, before[start:], chunks)
+
+    @property
+    def before(self) -> str:
+        """All the text before the cursor."""
+        return self.prefix + self.cursor_line
 
     @property
     def chars(self) -> int:
@@ -86,32 +96,129 @@ class FimTokens:
         return [name for name, token in needed.items() if token is None]
 
 
-def layout(
+class Vocabulary(Protocol):
+    """What a layout needs of a model: its text as tokens (no special tokens added or parsed: an
+    editor's text is data) and a token's bytes."""
+
+    def text_tokens(self, text: str) -> list[int]: ...
+
+    def piece(self, token: int) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Tokens of each part of the prompt at most (see the module docstring)."""
+
+    prefix: int
+    suffix: int
+    middle: int
+    chunks: int
+
+    @classmethod
+    def of(cls, n_ctx: int) -> Budgets:
+        batch = min(FIM_BATCH, n_ctx // 2)  # a small context keeps room for the chunks and the answer
+        middle = batch // 8
+        # BOS and the three FIM tokens, prefix, suffix and middle take batch + 2 + middle at most: the
+        # chunks get the rest less room for an answer (bounds, not the rest's length nor the request's
+        # n_predict, so that the next keystroke, or the request after a warm-up of n_predict 0, finds
+        # the chunks, the head of the cache, as they were)
+        return cls(3 * (batch // 4), batch // 4 - 2, middle, max(0, n_ctx - (batch + 2) - middle - ANSWER_ROOM))
+
+
+@dataclass(frozen=True)
+class Head:
+    """A prompt up to its [MID], for one anchor: what stays in the cache while the user types after
+    the anchor. prefix_text: the text before the anchor that it holds (from a line start); suffix and
+    chunks: those of the requests it was made for."""
+
+    tokens: tuple[int, ...]
+    prefix_text: str
+    suffix: str
+    chunks: tuple[Chunk, ...]
+
+    def fits(self, infill: Infill, anchor: int) -> bool:
+        """Whether a request's text agrees with this head with its anchor at `anchor` (an index of
+        infill.before): the same suffix and chunks, and the text before the anchor the same as far
+        as both go; an editor sends a window of lines, so either may begin later, but the request's
+        by a few lines at most (a quarter of the head's text)."""
+        if infill.suffix != self.suffix or infill.chunks != self.chunks:
+            return False
+        before = infill.before[:anchor]
+        if before.endswith(self.prefix_text):
+            return True
+        return 4 * len(before) >= 3 * len(self.prefix_text) and self.prefix_text.endswith(before)
+
+
+@dataclass(frozen=True)
+class FimPrompt:
+    """A fill-in-the-middle prompt: its head and the middle typed since its anchor (the cursor
+    line, or more where an earlier anchor is kept: `anchor` is its index in the request's text)."""
+
+    head: Head
+    middle: list[int]
+    anchor: int
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.head.tokens, *self.middle]
+
+
+def head(
     infill: Infill,
+    anchor: int,
     fim: FimTokens,
-    tokenize: Callable[[str], list[int]],
+    vocab: Vocabulary,
     *,
     n_ctx: int,
-    bos: int | None = None,
-) -> list[int]:
-    """The prompt's tokens (see the module docstring). tokenize: text -> tokens, no special
-    tokens added or parsed (an editor's text is data); bos: where the model wants one."""
+    bos: int | None,
+    prefix: str | None = None,
+) -> Head:
+    """The head of the request's prompt with its anchor at `anchor`; bos: where the model wants one.
+    prefix: the text before the anchor it is to hold (an earlier head's and the lines typed since,
+    so that the two share their tokens); None, or too long: the lines nearest the anchor that fit."""
+    budgets = Budgets.of(n_ctx)
     extra: list[int] = []
     if fim.repo is not None:
-        extra += [fim.repo, *tokenize(PROJECT)]
+        extra += [fim.repo, *vocab.text_tokens(PROJECT)]
     for chunk in infill.chunks:
-        extra += [fim.file_sep, *tokenize(chunk.filename + "\n")] if fim.file_sep is not None else tokenize(SNIPPET)
-        extra += tokenize(chunk.text)
+        separator = [fim.file_sep, *vocab.text_tokens(chunk.filename + "\n")] if fim.file_sep is not None else None
+        extra += separator or vocab.text_tokens(SNIPPET)
+        extra += vocab.text_tokens(chunk.text)
     if fim.file_sep is not None:
-        extra += [fim.file_sep, *tokenize(CURRENT_FILE)]
-    batch = min(FIM_BATCH, n_ctx // 2)  # a small context keeps room for the chunks and the answer
-    prefix, suffix, cursor = tokenize(infill.prefix), tokenize(infill.suffix), tokenize(infill.cursor_line)
-    prefix = prefix[max(0, len(prefix) - 3 * (batch // 4)) :]  # the text nearest the cursor
-    suffix = suffix[: max(0, batch // 4 - (2 + len(cursor)))]
-    # the chunks get what the rest leaves at most (BOS, the three FIM tokens, prefix, cursor line
-    # and suffix take batch + 2 at most) less room for an answer: bounds, not the rest's length
-    # nor the request's n_predict, so that the next keystroke (or the request after a warm-up
-    # of n_predict 0) finds the chunks, the head of the cache, as they were
-    extra = extra[max(0, len(extra) - max(0, n_ctx - (batch + 2) - ANSWER_ROOM)) :]
-    head = [bos] if bos is not None else []
-    return [*extra, *head, fim.prefix, *prefix, *cursor, fim.suffix, *suffix, fim.middle]
+        extra += [fim.file_sep, *vocab.text_tokens(CURRENT_FILE)]
+    extra = extra[max(0, len(extra) - budgets.chunks) :]
+    tokens = vocab.text_tokens(prefix) if prefix is not None else []
+    if prefix is None or len(tokens) > budgets.prefix:
+        prefix, tokens = _nearest_lines(infill.before[:anchor], vocab, budgets.prefix)
+    suffix = vocab.text_tokens(infill.suffix)[: budgets.suffix]
+    head = (*extra, *([bos] if bos is not None else []), fim.prefix, *tokens, fim.suffix, *suffix, fim.middle)
+    return Head(head, prefix, infill.suffix, infill.chunks)
+
+
+def _nearest_lines(text: str, vocab: Vocabulary, budget: int) -> tuple[str, list[int]]:
+    """The end of `text` that fits `budget` tokens, from a line start (from within its first line
+    where no line start fits), and its tokens: a later head that holds the same lines and more
+    shares their tokens."""
+    tokens = vocab.text_tokens(text)
+    while len(tokens) > budget:
+        over = len(b"".join(map(vocab.piece, tokens[: len(tokens) - budget])))
+        cut = len(text.encode()[:over].decode("utf-8", "ignore"))
+        line = text.find("\n", cut, len(text) - 1) + 1  # (a line start that leaves some text)
+        text = text[line or max(cut, 1) :]
+        tokens = vocab.text_tokens(text)
+    return text, tokens
+
+
+def middle(infill: Infill, anchor: int, vocab: Vocabulary, *, n_ctx: int) -> list[int] | None:
+    """The tokens of the text typed since the anchor (None: more than the middle's budget)."""
+    tokens = vocab.text_tokens(infill.before[anchor:])
+    return tokens if len(tokens) <= Budgets.of(n_ctx).middle else None
+
+
+def layout(infill: Infill, fim: FimTokens, vocab: Vocabulary, *, n_ctx: int, bos: int | None = None) -> FimPrompt:
+    """The prompt anchored at the start of the cursor line (of a later character, where the cursor
+    line up to the cursor is longer than the middle's budget: the longest tail that fits)."""
+    anchor = len(infill.prefix)
+    while (typed := middle(infill, anchor, vocab, n_ctx=n_ctx)) is None:
+        anchor += (len(infill.before) - anchor + 1) // 2
+    return FimPrompt(head(infill, anchor, fim, vocab, n_ctx=n_ctx, bos=bos), typed, anchor)

@@ -32,6 +32,7 @@ import llama_cpp
 import numpy as np
 
 from .errors import EdgespecError
+from .sampling import Law, SamplingParams, constrained_argmax, constrained_law
 from .sandbox import sandbox
 
 MAX_GRAMMAR_CHARS = 64 << 10  # GBNF text (given, or made from a schema) longer than this is refused
@@ -211,6 +212,15 @@ class Grammar:
         if not self.allows(np.array([self.eog], dtype=np.int32))[0] and not self.allows(self._probe_ids).any():
             if not self.allows(np.arange(model.n_vocab, dtype=np.int32)).any():  # not even a non-ASCII one
                 raise GrammarError(f"no output can satisfy the grammar (it allows no first token); {FIX_GBNF}")
+
+    done = False  # (a grammar constrains an answer to its end)
+
+    def law(self, logits: np.ndarray, params: SamplingParams, vocab=None) -> Law:
+        """p_g: the law after the request's filters, less what the grammar forbids (sampling.constrained_law)."""
+        return constrained_law(logits, params, self.allows, vocab)
+
+    def argmax(self, logits: np.ndarray) -> int:
+        return constrained_argmax(logits, self.allows)
 
     def clone(self) -> Grammar:
         other = object.__new__(Grammar)

@@ -24,7 +24,7 @@ from dataclasses import replace
 from starlette.responses import JSONResponse
 
 from .answers import MAX_ANSWERS, Answer, ApiError, Dialect, Job, Piece, refused, sse
-from .api_body import completion_prompt, constraint_of, json_field, sampling_of, speculation_of
+from .api_body import completion_prompt, constraint_of, json_field, own_fields, sampling_of
 from .fim import Chunk, Infill
 from .request import Request, RequestError
 from .stats import Stats
@@ -59,6 +59,9 @@ def request_of(body: dict, *, infill: bool) -> Request:
         raise RequestError("'n_indent' must be >= 0", "n_indent")
     deadline_ms = json_field(body, "t_max_predict_ms", (int, float), 0)
     json_schema, grammar = constraint_of(body)
+    fields = own_fields(body)
+    if fields["heal"] is None and json_schema is None and grammar is None:
+        fields["heal"] = True  # an editor's text ends where the user is typing: mid-word, often
     return Request(
         _infill(body) if infill else completion_prompt(body),
         _sampling(body),
@@ -69,7 +72,7 @@ def request_of(body: dict, *, infill: bool) -> Request:
         raw=not infill,
         grammar=grammar,
         json_schema=json_schema,
-        **speculation_of(body),
+        **fields,
     )
 
 

@@ -24,6 +24,7 @@ import ctypes
 import enum
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -279,6 +280,10 @@ class Model:
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, -n, add_special, parse_special)
         return list(buf[:n])
 
+    def text_tokens(self, text: str) -> list[int]:
+        """Text as tokens, no special token added or parsed (an editor's text is data)."""
+        return self.tokenize(text, add_special=False)
+
     def piece(self, token: int) -> bytes:
         """The raw bytes of one token; may be part of a multi-byte character."""
         buf = ctypes.create_string_buffer(64)
@@ -432,6 +437,12 @@ class Model:
     def shares(self, tokens: list[int]) -> int:
         """How many of `tokens` (all but the last) the cache holds already."""
         return common_prefix(self.tokens, tokens, len(tokens) - 1)  # called every round: compared in C
+
+    def cached(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the caches hold: the live one, or a saved state (see prompt_cache.py)."""
+        tokens = list(tokens)
+        saved = self.prompt_cache.reusable(self, tokens) if self.prompt_cache is not None else 0
+        return max(common_prefix(self.tokens, tokens, len(tokens)), saved)
 
     def save_state(self):
         """The cache's contents (sequence 0) as llama.cpp serializes them, or None."""

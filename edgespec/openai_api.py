@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from .answers import MAX_ANSWERS, Answer, Dialect, Job, refused, sse
-from .api_body import answer_limit, completion_prompt, constraint_of, json_field, sampling_of, speculation_of, text_of
+from .api_body import answer_limit, completion_prompt, constraint_of, json_field, own_fields, sampling_of, text_of
 from .fim import Infill
 from .logprobs import TokenLogprob, top_count
 from .request import Request, RequestError, checked
@@ -60,7 +60,7 @@ def request_of(body: dict, *, chat: bool) -> Request:
         logprobs=logprobs,
         prompt_logprobs=echo and logprobs is not None,
         **calls,
-        **speculation_of(body),
+        **own_fields(body),
     )
 
 

@@ -4,8 +4,10 @@ windows) each pay only for their new part.
 
 A model's context holds one sequence. When a prompt would throw away MIN_TOKENS or more
 of it, that state is copied out first (llama_state_seq_get_data, into RAM); when a
-prompt shares a longer prefix with a saved state than with the live cache, that state is
-copied back in (llama_state_seq_set_data). The states of all models of an engine share
+prompt shares a longer prefix with a saved state than with the live cache (by
+MIN_RESTORED tokens), that state is copied back in (llama_state_seq_set_data). Idle work
+that a request interrupts (an editor's next head, read a few tokens at a time) keeps what
+it read the same way (keep), whatever its length. The states of all models of an engine share
 one budget in bytes, the least recently used going first. A recurrent or hybrid model's
 state is reused only where the prompt continues all of it: its running state cannot be
 cut back to a shorter prefix.
@@ -36,6 +38,9 @@ DEFAULT_CACHE_RAM_MIB = 1024  # about ten 2,500-token Qwen2.5-1.5B prompts with 
 # a shorter prefix costs less to evaluate again than to keep and copy back; and more than a
 # decode round ever discards (a 64-token draft), so rounds never save states
 MIN_TOKENS = 128
+# copying a state back takes milliseconds (6 ms for 2,000 tokens of Qwen2.5-1.5B on a 2-core
+# AMD EPYC, where reading 16 tokens again takes 240 ms): worth it from a few tokens on
+MIN_RESTORED = 16
 MAGIC = b"edgespec prompt state 1\n"
 MAX_HEADER = 64 << 20  # bytes of a file's header (its tokens as JSON)
 
@@ -73,7 +78,22 @@ class PromptCache:
         (all but the last, whose logits the caller needs): keep what would be lost, and
         bring back a saved state that shares more of `tokens`. Returns the tokens the
         model's cache now shares with `tokens`."""
-        limit = len(tokens) - 1
+        best, reuse = self._best(model, tokens, len(tokens) - 1)
+        if len(model.tokens) - kept >= MIN_TOKENS:
+            self.keep(model)
+        if reuse >= kept + MIN_RESTORED and model.restore_state(best.tokens, best.data):
+            # now the most recently used; saving the live state may have pushed it out of the budget
+            self.states = [s for s in self.states if s is not best] + [best]
+            self._fit()
+            return reuse
+        return kept
+
+    def reusable(self, model, tokens: list[int]) -> int:
+        """How many of `tokens` the best of `model`'s saved states holds (nothing is moved)."""
+        return self._best(model, tokens, len(tokens))[1]
+
+    def _best(self, model, tokens: list[int], limit: int) -> tuple[SavedState | None, int]:
+        """The saved state of `model` that shares most of `tokens` (at most `limit`), and how many."""
 
         def reusable(state: SavedState) -> int:
             shared = common_prefix(state.tokens, tokens, limit)
@@ -81,21 +101,14 @@ class PromptCache:
             return shared if not model.recurrent or shared == len(state.tokens) else 0
 
         best = max((s for s in self.states if s.owner == id(model)), key=reusable, default=None)
-        reuse = reusable(best) if best else 0
-        if len(model.tokens) - kept >= MIN_TOKENS:
-            self._save(model)
-        if reuse >= kept + MIN_TOKENS and model.restore_state(best.tokens, best.data):
-            # now the most recently used; saving the live state may have pushed it out of the budget
-            self.states = [s for s in self.states if s is not best] + [best]
-            self._fit()
-            return reuse
-        return kept
+        return best, reusable(best) if best else 0
 
     def drop(self, model) -> None:
         """Forget `model`'s states (its context was made anew)."""
         self.states = [s for s in self.states if s.owner != id(model)]
 
-    def _save(self, model) -> None:
+    def keep(self, model) -> None:
+        """Save `model`'s live state (unless a saved one holds it already)."""
         tokens = list(model.tokens)
         mine = [s for s in self.states if s.owner == id(model)]
         # a saved state already holds all of it (a recurrent one only if it ends there: it cannot be cut back)
@@ -120,7 +133,7 @@ class PromptCache:
         first, within the budget), replacing what the models' folders held. Returns bytes kept."""
         for model in models:
             if len(model.tokens) >= MIN_TOKENS:
-                self._save(model)
+                self.keep(model)
         folders = {id(model): state_folder(model) for model in models}
         kept: dict[Path, set[str]] = {folder: set() for folder in folders.values()}
         total, stamp = 0, time.time()

@@ -42,6 +42,10 @@ class Request:
     (special-token markup such as <|im_start|> parsed); an Infill is a fill-in-the-middle
     completion (an editor's: code before and after the cursor), laid out in the model's FIM
     tokens (fim.py), the answer being the middle.
+    heal: token healing (healing.py) of a prompt that ends mid-word: its last tokens are taken
+    back and the answer begins with their text, which it does not return again; None: heal an
+    infill's middle (the text typed on the cursor line), not other prompts. For raw and infill
+    prompts, without a grammar, schema or tools.
     max_tokens: the answer's length at most (0: the prompt is only read into the cache);
     None: until the model stops or the context is full (finish_reason "context").
     stop: strings that end the answer (trimmed from it). An editor's stops: min_indent, a
@@ -89,6 +93,7 @@ class Request:
     parallel_tool_calls: bool = True
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    heal: bool | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: the checked values are set once, here
@@ -125,6 +130,12 @@ class Request:
             raise RequestError("a forced tool call cannot also follow a grammar or schema; give one of them", "tools")
         if self.calls_tools and isinstance(self.prompt, Infill):
             raise RequestError("a fill-in-the-middle prompt cannot call tools; send a chat prompt", "tools")
+        if self.heal is not None and not isinstance(self.heal, bool):
+            raise RequestError(f"heal must be true or false, got {self.heal!r}", "heal")
+        if self.heal and not (self.raw or isinstance(self.prompt, Infill)):
+            raise RequestError("token healing is for raw and fill-in-the-middle prompts; send raw text", "heal")
+        if self.heal and (constrained or self.calls_tools):
+            raise RequestError("token healing cannot go with a grammar, a schema or tools; give one of them", "heal")
 
     @classmethod
     def of(
@@ -150,6 +161,7 @@ class Request:
         json_schema: dict | str | None = None,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        heal: bool | None = None,
     ) -> Request:
         """A request from keywords (what Engine.stream and generate take besides a Request):
         the sampling settings one by one, and speculative=False for draft_mode "off"."""
@@ -169,7 +181,35 @@ class Request:
             parallel_tool_calls=parallel_tool_calls,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            heal=heal,
         )
+
+    @property
+    def healed(self) -> bool:
+        """Whether the prompt's last word is healed (`heal`, or its default)."""
+        if self.heal is not None:
+            return self.heal
+        constrained = self.grammar is not None or self.json_schema is not None
+        return isinstance(self.prompt, Infill) and not constrained
+
+    def answer(self, index: int, previous: str, elapsed_s: float = 0.0) -> Request:
+        """The request of answer `index` of several to this prompt (OpenAI's n, llama-server's
+        n_cmpl), `elapsed_s` after the first began: a seeded request's seed + index, and (where the
+        request gives no prediction) the answer before as its predicted output. Answers to one
+        prompt are much alike, so the next is drafted from the last where they agree; each is still
+        drawn from the target's law (the same answer as a request of that seed alone). The answers
+        share line_deadline_s, as llama-server's slots, which answer side by side, do."""
+        if index == 0:
+            return self
+        sampling = self.sampling
+        if sampling.seed is not None:
+            sampling = replace(sampling, seed=sampling.seed + index)
+        prediction = self.prediction or previous or None
+        deadline = self.line_deadline_s
+        if deadline is not None:
+            deadline = max(0.0, deadline - elapsed_s)
+        # (the prompt is scored once)
+        return replace(self, sampling=sampling, prediction=prediction, line_deadline_s=deadline, prompt_logprobs=False)
 
     def settled(self, draft_mode: DraftMode, gamma: Gamma) -> Request:
         """This request with the engine's defaults for what it leaves unset."""

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from .answers import Answer, ApiError, Dialect, Job, log, refused, sse
-from .api_body import answer_limit, json_field, sampling_of, speculation_of, text_of
+from .api_body import answer_limit, json_field, own_fields, sampling_of, text_of
 from .request import Request, RequestError
 from .stats import Stats
 from .tools import ToolCall
@@ -150,7 +150,7 @@ class Responses(Dialect):
                 max_tokens=answer_limit(body, "max_output_tokens"),
                 json_schema=_schema(body),
                 **_tools(body),
-                **speculation_of(body),
+                **own_fields(body),
             )
             stream = json_field(body, "stream", (bool,), False)
             store = json_field(body, "store", (bool,), True)

@@ -14,21 +14,12 @@ from time import perf_counter
 import numpy as np
 
 from .controller import Controller
-from .grammar import Grammar
+from .fim import FimPrompt
 from .logprobs import TokenLogprob, token_logprobs
 from .model import ContextFull, Model
 from .modes import DraftMode
 from .request import Request
-from .sampling import (
-    Law,
-    SamplingParams,
-    constrained_argmax,
-    constrained_law,
-    law,
-    position_uniforms,
-    verify,
-    verify_greedy,
-)
+from .sampling import Constraint, Law, SamplingParams, law, position_uniforms, verify, verify_greedy
 from .stats import RoundTiming, Stats, trailing_repeat
 from .text import TextStream
 
@@ -68,13 +59,21 @@ class Run:
         request: Request,
         prompt: list[int],
         controller: Controller,
-        grammar: Grammar | None,
+        constraint: Constraint | None,
         cancelled: threading.Event | None = None,
+        *,
+        healed: bytes = b"",
+        layout: FimPrompt | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         """request: with the engine's defaults settled (Request.settled); prompt: its tokens;
-        cancelled: set from another thread (a client gone) to stop the run early."""
-        self.target, self.request, self.controller, self.grammar = target, request, controller, grammar
-        self.cancelled = cancelled
+        constraint: what the answer is held to (its grammar, or its token healing); healed: the
+        bytes taken back from the prompt, which the answer begins with and does not return (see
+        healing.py); layout: a fill-in-the-middle prompt's parts; prefill_chunk: prompt tokens
+        a prefill pass reads; cancelled: set from another thread (a client gone) to stop the
+        run early."""
+        self.target, self.request, self.controller, self.constraint = target, request, controller, constraint
+        self.cancelled, self.layout, self.prefill_chunk = cancelled, layout, prefill_chunk
         self.params: SamplingParams = request.sampling
         self.prompt = prompt
         self.seq = list(prompt)  # prompt + output; the target's cache holds seq[:-1] (or less, see rounds)
@@ -96,39 +95,45 @@ class Run:
         if (costs := controller.costs) is not None:
             self.stats.baseline_tokens_per_s = 1.0 / costs.plain_step()
             self.stats.checkpoint_steps, self.stats.restore_steps = costs.rollback_steps()
-        self.text = TextStream(request.stops, request.min_indent)
+        self.stats.healed_bytes = len(healed)
+        self.text = TextStream(request.stops, request.min_indent, skip=healed)
         self.prompt_logprobs: list[TokenLogprob] = []  # once read, where Request.prompt_logprobs asks for them
 
     def events(self) -> Iterator[Event]:
         """Prefill, then the answer's tokens as events; the last has token None, the remaining
         text and the final stats. A run cancelled (from another thread) stops at its next
         prefill chunk or round, with finish_reason "cancelled"."""
+        return (step for step in self.steps() if step is not None)
+
+    def steps(self) -> Iterator[Event | None]:
+        """events(), with a None after each prefill pass: idle work is taken a pass at a time."""
         stats, start = self.stats, perf_counter()
-        prefilled = self._prefill()
+        prefilled = yield from self._prefill()
         stats.prefill_s = perf_counter() - start
         if prefilled:
             yield from self._answer()
         stats.repeated_tokens, stats.repeat_period = trailing_repeat(self.seq[len(self.prompt) :])
         yield Event(self.text.flush(), None, None, self.stats)
 
-    def _prefill(self) -> bool:
-        """The prompt into the caches (False: cancelled on the way). The target's holds all but
-        the last token, which opens the first verify batch; it is read PREFILL_CHUNK tokens a
-        pass, so that a client who left (an editor's user typing on) waits for one chunk at most,
-        and the next request finds the chunks read so far in the cache."""
+    def _prefill(self) -> Iterator[None]:
+        """The prompt into the caches, a None after each pass; returns False where cancelled on the
+        way. The target's cache holds all but the last token, which opens the first verify batch; it
+        is read prefill_chunk tokens a pass, so that a client who left (an editor's user typing on)
+        waits for one pass at most, and the next request finds what was read so far in the cache."""
         target, prompt, scored = self.target, self.prompt, self.request.prompt_logprobs
         # scored, every prompt token's row is needed: none of them comes from the cache
         self.stats.n_prompt_cached = target.cut(0) if scored else target.sync(prompt)
         if scored:  # nothing comes before the first token to score it
             self.prompt_logprobs = [TokenLogprob(prompt[0], target.piece(prompt[0]), None)]
-        for at in range(self.stats.n_prompt_cached, len(prompt) - 1, PREFILL_CHUNK):
+        for at in range(self.stats.n_prompt_cached, len(prompt) - 1, self.prefill_chunk):
             if self._cancelled():
                 return False
-            chunk = prompt[at : min(at + PREFILL_CHUNK, len(prompt) - 1)]
+            chunk = prompt[at : min(at + self.prefill_chunk, len(prompt) - 1)]
             logits = target.eval(chunk, rows=len(chunk) if scored else None)
             if scored:  # the row of prompt[i] scores prompt[i + 1]
                 following = prompt[at + 1 : at + len(chunk) + 1]
                 self.prompt_logprobs += token_logprobs(logits, following, self.request.logprobs or 0, target.piece)
+            yield None
         if self._cancelled():
             return False
         self.controller.begin(prompt, room=min(target.n_ctx, self.limit - 1) - len(prompt))
@@ -179,18 +184,21 @@ class Run:
 
     def rounds(self) -> Iterator[list[NewToken]]:
         """Rounds of plan -> draft -> verify -> accept -> observe. Yields each round's new tokens,
-        1..γ+1 of them. Under a grammar (in its state after seq; advanced here) the target's law at
-        every row is p_g. Raises ContextFull."""
-        target, controller, grammar, params, seq = self.target, self.controller, self.grammar, self.params, self.seq
+        1..γ+1 of them. Under a constraint (a grammar, or token healing; in its state after seq, advanced
+        here) the target's law at every row is the constrained one (p_g). Raises ContextFull."""
+        target, controller, params, seq = self.target, self.controller, self.params, self.seq
         while True:
-            if grammar is not None and grammar.finished():  # only an end may follow: the target would pick one
+            constraint = self.constraint
+            if constraint is not None and constraint.done:  # a healed answer has written what it owed
+                constraint = self.constraint = None
+            if constraint is not None and constraint.finished():  # only an end may follow: the target would pick one
                 yield [NewToken(target.eos, False, None)]
                 return
             t0 = perf_counter()
             # the controller picks a drafter and γ (or none); drafts past the context or the budget are wasted
             room = min(target.n_ctx - len(seq), self.limit - len(seq) - 1)
-            plan = controller.plan(seq, room, grammar)
-            draft = controller.draft(plan, seq, params, self.rng, grammar)
+            plan = controller.plan(seq, room, constraint)
+            draft = controller.draft(plan, seq, params, self.rng, constraint)
             t1 = perf_counter()
 
             # a recurrent state cannot be cut back: keep a way back before a pass that may be rejected
@@ -202,7 +210,7 @@ class Run:
             # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i); after a recurrent
             # target's rollback its kept tokens come first (the cache holds seq[:-1], or less: see below)
             logits = target.eval(seq[len(target.tokens) :] + draft.tokens, rows=len(draft.tokens) + 1)
-            rows = TargetRows(logits, params, target, grammar, draft.tokens)
+            rows = TargetRows(logits, params, target, constraint, draft.tokens)
             if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
                 n, next_token = verify_greedy(draft.tokens, rows.argmax)
             else:  # accept x_i w.p. min(1, p_i(x)/q_i(x)); else resample norm(max(p_i - q_i, 0)); bonus from p_γ
@@ -235,35 +243,40 @@ class Run:
 
 class TargetRows:
     """The target's law at each row of a verify pass, made only when verification gets
-    there. Under a grammar, row i is p_g in the grammar's state after draft[:i]: the
-    grammar walks along the draft as far as it is accepted, never past a rejection, so
-    it has nothing to roll back."""
+    there. Under a constraint, row i is the constrained law in the constraint's state after
+    draft[:i]: the constraint walks along the draft as far as it is accepted, never past a
+    rejection, so it has nothing to roll back."""
 
     def __init__(
-        self, logits: np.ndarray, params: SamplingParams, target: Model, grammar: Grammar | None, draft: list[int]
+        self,
+        logits: np.ndarray,
+        params: SamplingParams,
+        target: Model,
+        constraint: Constraint | None,
+        draft: list[int],
     ) -> None:
-        self.logits, self.params, self.target, self.grammar, self.draft = logits, params, target, grammar, draft
-        self.walked = 0  # draft tokens the grammar has taken
+        self.logits, self.params, self.target, self.constraint, self.draft = logits, params, target, constraint, draft
+        self.walked = 0  # draft tokens the constraint has taken
 
     def p(self, i: int) -> Law:
-        if self.grammar is None:
+        if self.constraint is None:
             return law(self.logits[i], self.params, self.target)
         self._walk(i)
-        return constrained_law(self.logits[i], self.params, self.grammar.allows, self.target)
+        return self.constraint.law(self.logits[i], self.params, self.target)
 
     def argmax(self, i: int) -> int:
-        if self.grammar is None:
+        if self.constraint is None:
             return int(np.argmax(self.logits[i]))
         self._walk(i)
-        return constrained_argmax(self.logits[i], self.grammar.allows)
+        return self.constraint.argmax(self.logits[i])
 
     def advance(self, n_accepted: int, next_token: int) -> None:
-        """Take the round's tokens into the grammar: the accepted draft, then the next token."""
-        if self.grammar is not None:
+        """Take the round's tokens into the constraint: the accepted draft, then the next token."""
+        if self.constraint is not None:
             self._walk(n_accepted)
-            self.grammar.accept(next_token)
+            self.constraint.accept(next_token)
 
     def _walk(self, i: int) -> None:
         while self.walked < i:
-            self.grammar.accept(self.draft[self.walked])
+            self.constraint.accept(self.draft[self.walked])
             self.walked += 1

@@ -248,6 +248,37 @@ def infill(ids: np.ndarray, w: np.ndarray, vocab: Vocabulary) -> tuple[np.ndarra
 
 
 Allows = Callable[[np.ndarray], np.ndarray]  # token ids -> which of them a grammar lets come next
+
+
+class Constraint(Protocol):
+    """What an answer is held to (grammar.Grammar; healing.Healing): which tokens may come next,
+    the law there, and its state, walked along the answer (accept) or ahead of it (a clone)."""
+
+    @property
+    def done(self) -> bool:
+        """Nothing is constrained from here on."""
+
+    def allows(self, ids: np.ndarray) -> np.ndarray: ...
+
+    def law(self, logits: np.ndarray, params: SamplingParams, vocab: Vocabulary | None = None) -> Law:
+        """The constrained law at this state (the target's, or a drafter's q)."""
+
+    def argmax(self, logits: np.ndarray) -> int:
+        """The constrained law's likeliest token (greedy)."""
+
+    def accept(self, token: int) -> None: ...
+
+    def clone(self) -> Constraint: ...
+
+    def allowed_prefix(self, tokens: list[int]) -> list[int]: ...
+
+    def forced_text(self, max_chars: int) -> str:
+        """The only text that may come next, as far as it goes (a free draft; "" for none)."""
+
+    def finished(self) -> bool:
+        """Only an end of generation may come next."""
+
+
 FIRST_LOOK = 256  # a grammar is asked about this many of the likeliest tokens first
 
 

@@ -23,6 +23,7 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
+from time import perf_counter
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -107,12 +108,12 @@ class Worker:
         return ServerLoad(running, len(self._unfinished) - running, len(target.tokens), target.n_ctx)
 
     def _generate(self, job: Job) -> None:
-        previous = ""
+        previous, start = "", perf_counter()
         for index in range(job.count):
             if index and job.cancelled.is_set():
                 job.send(None)  # whoever waits for the next answer hears there is none
                 return
-            previous = self._answer(job, job.request_for(index, previous))
+            previous = self._answer(job, job.request.answer(index, previous, perf_counter() - start))
             if previous is None:
                 return
 

@@ -137,6 +137,8 @@ class Stats:
     # span's length: a model looping (under a forced tool call, say) shows here
     repeated_tokens: int = 0
     repeat_period: int = 0
+    # token healing (healing.py): the bytes taken back from the prompt's end, which the answer wrote again
+    healed_bytes: int = 0
 
     @property
     def accepted_prediction_tokens(self) -> int:

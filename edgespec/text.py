@@ -15,10 +15,13 @@ INDENT = " \t"
 
 
 class TextStream:
-    def __init__(self, stop: Sequence[str] = (), min_indent: int = 0) -> None:
+    def __init__(self, stop: Sequence[str] = (), min_indent: int = 0, skip: bytes = b"") -> None:
         """stop: strings that end the text (dropped with what follows); min_indent: a line after
         the first that starts with fewer spaces or tabs than this ends the text before it
-        (llama-server's n_indent: an editor's completion stays inside the block being written)."""
+        (llama-server's n_indent: an editor's completion stays inside the block being written);
+        skip: the bytes the tokens begin with that are not the text's (a healed prompt's, which
+        the answer writes again)."""
+        self._skip = skip
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = [s for s in stop if s]
         self._min_indent = min_indent
@@ -35,6 +38,9 @@ class TextStream:
         After a stop string appears, `stopped` is set to it and the stop string and
         everything after it are dropped; after an under-indented line starts,
         `under_indented` is set and the text ends with the newline before it."""
+        if self._skip:
+            skipped = min(len(piece), len(self._skip))
+            piece, self._skip = piece[skipped:], self._skip[skipped:]
         self._pending += self._decoder.decode(piece)
         hits = [(at, s) for s in self._stop if (at := self._pending.find(s)) >= 0]
         if hits:

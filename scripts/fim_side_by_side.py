@@ -1,17 +1,20 @@
-"""The FIM bench's completions against `edgespec serve` and llama-server's /infill, side by side
-on this machine: each case as llama.vscode sends it (FimCase.body: greedy, one answer,
-streamed), after the request of the keystroke before it (n_predict 0, as the last request left
-the server's cache); per server the p50 and p90 of the time to the first token and to the
-last, and how often the answer's first line is the span cut out.
+"""The FIM bench's typing sessions (edgespec/fim_bench.py) against `edgespec serve` and
+llama-server's /infill, side by side on this machine. Every keystroke sends llama.vscode's
+request (Keystroke.body: three answers, its samplers, n_indent, t_max_predict_ms; seeded, and
+streamed to time the first token), the typist's gaps are slept through (each server's idle time),
+and each session begins with its first request read untimed (n_predict 0, an editor's warm-up).
+Per server: the p50 and p90 of the time to the first token, to the first answer's first line and to
+all three answers, of all answers after Enter, how often that first line is the rest of the real
+line, and the prompt tokens a keystroke read.
 
-    python scripts/fim_side_by_side.py --llama-server PATH/TO/llama-server [--cases 12] [--ctx 4096]
+    python scripts/fim_side_by_side.py --llama-server PATH/TO/llama-server [--sessions 2] [--lines 2] [--ctx 8192]
 
-Servers: edgespec with speculation off and auto (the default pair), llama-server alone, with
-the pair's draft model (-md) and with n-gram drafting (--spec-type ngram-simple), each with
-one slot. All run at once and take turns case by case, the order alternating, so that each
-meets the machine in the same state; only the one answering computes. The prompt states that
-edgespec keeps on disk between runs are removed before and after (a case's prompt read by an
-earlier run would be answered from them).
+Servers: edgespec (auto, the default pair) and edgespec with speculation off; llama-server plain
+and with --cache-reuse 256 (what llama.vscode's README recommends), with its default slots (4, one
+unified cache: n_cmpl's answers side by side). One server runs at a time (edgespec works while
+idle: a server beside the one measured would take its CPU), started for each session, the order
+alternating from session to session. The prompt states that edgespec keeps on disk between runs
+are removed before each start (a session read by an earlier run would be answered from them).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -28,10 +30,9 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from edgespec.cache import cache_dir
-from edgespec.fim_bench import FimCase, cases
+from edgespec.fim_bench import ENTER_PAUSE_S, KEY_S, Keystroke, Session, percentiles, sessions
 from edgespec.loader import resolve_model
 from edgespec.registry import load_registry
 
@@ -45,22 +46,21 @@ def free_port() -> int:
 def servers(args: argparse.Namespace) -> dict[str, list[str]]:
     """Each server's command line, its port still to be added."""
     registry = load_registry()
-    pair = registry.pair(registry.default_pair)
-    target, draft = resolve_model(pair.target), resolve_model(pair.draft)
+    target = resolve_model(registry.pair(registry.default_pair).target)
     edgespec = [sys.executable, "-m", "edgespec", "serve", "--ctx", str(args.ctx), "--threads", str(args.threads)]
-    llama = [args.llama_server, "-m", str(target), "-c", str(args.ctx), "-t", str(args.threads), "-np", "1"]
+    llama = [args.llama_server, "-m", str(target), "-c", str(args.ctx), "-t", str(args.threads)]
     return {
+        "edgespec": edgespec,
         "edgespec off": [*edgespec, "--draft-mode", "off"],
-        "edgespec auto": edgespec,
         "llama-server": llama,
-        "llama-server -md": [*llama, "-md", str(draft), "-td", str(args.threads)],
-        "llama-server ngram": [*llama, "--spec-type", "ngram-simple"],
+        "llama-server --cache-reuse 256": [*llama, "--cache-reuse", "256"],
     }
 
 
 def start(command: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    shutil.rmtree(cache_dir() / "prompts", ignore_errors=True)
     port = free_port()
-    process = subprocess.Popen([*command, "--port", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    process = subprocess.Popen([*command, "--port", str(port)], stdout=log.open("a"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -74,79 +74,113 @@ def start(command: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"{command[0]} did not start; see {log}")
 
 
-def complete(url: str, case: FimCase) -> dict:
-    """The keystroke before (untimed), then the case, streamed: seconds to the first text and
-    to the end, and whether the first line is the span."""
-    before = case.body() | {"prompt": case.keystroke_before.cursor_line, "n_predict": 0, "stream": False}
-    httpx.post(url + "/infill", json=before, timeout=600).raise_for_status()
-    text, first, start = [], None, time.perf_counter()
-    with httpx.stream("POST", url + "/infill", json=case.body(), timeout=600) as response:
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    process.wait(timeout=60)
+    shutil.rmtree(cache_dir() / "prompts", ignore_errors=True)
+
+
+def keystroke(url: str, key: Keystroke) -> dict:
+    """One keystroke's request, streamed: seconds to the first token, to the first answer's first
+    line and to the end; whether that line is the rest of the real line; the prompt tokens read."""
+    texts: dict[int, str] = {}
+    first = line = None
+    read = 0
+    start = time.perf_counter()
+    with httpx.stream("POST", url + "/infill", json=key.body(), timeout=600) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and (content := json.loads(line[6:]).get("content")):
-                first = first or time.perf_counter() - start
-                text.append(content)
-    last = time.perf_counter() - start
-    answer = "".join(text)
-    return {"first_s": first or last, "last_s": last, "exact": case.exact(answer), "answer": answer}
+        for raw in response.iter_lines():
+            if not raw.startswith("data: "):
+                continue
+            event = json.loads(raw[6:])
+            index, content = event.get("index", 0), event.get("content") or ""
+            texts[index] = texts.get(index, "") + content
+            if index == 0:
+                now = time.perf_counter() - start
+                first = first or (now if content else None)
+                if line is None and ("\n" in texts[0] or event.get("stop")):
+                    line = now
+                read = event.get("timings", {}).get("prompt_n", read)
+    whole = time.perf_counter() - start
+    answer = texts.get(0, "")
+    return {
+        "first_s": first or whole,
+        "line_s": line or whole,
+        "whole_s": whole,
+        "right": key.right(answer),
+        "after_enter": key.after_enter,
+        "read": read,
+        "answer": answer,
+    }
+
+
+def type_session(url: str, session: Session, name: str) -> list[dict]:
+    warm_up = session.keystrokes[0].body() | {"n_predict": 0, "stream": False}
+    httpx.post(url + "/infill", json=warm_up, timeout=1200).raise_for_status()
+    runs, keys = [], session.keystrokes
+    for key, following in zip(keys, [*keys[1:], None], strict=True):
+        done = keystroke(url, key) | {"session": session.name, "cursor_line": key.infill.cursor_line}
+        runs.append(done)
+        typed = key.infill.cursor_line.strip()[-20:]
+        print(
+            f"{session.name:<18} {name:<32} {typed!r:>24} first {done['first_s'] * 1000:6.0f} line"
+            f" {done['line_s'] * 1000:6.0f} all {done['whole_s'] * 1000:6.0f} ms read {done['read']}"
+            f" right {done['right']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        pause = ENTER_PAUSE_S if following is not None and following.after_enter else KEY_S - done["whole_s"]
+        time.sleep(max(0.0, pause))
+    return runs
 
 
 def summary(runs: list[dict]) -> dict:
-    first, last = (np.array([r[key] for r in runs]) * 1000 for key in ("first_s", "last_s"))
-    return {
-        "first_p50_ms": float(np.percentile(first, 50)),
-        "first_p90_ms": float(np.percentile(first, 90)),
-        "last_p50_ms": float(np.percentile(last, 50)),
-        "last_p90_ms": float(np.percentile(last, 90)),
-        "exact": sum(r["exact"] for r in runs) / len(runs),
+    row = {}
+    for name in ("first", "line", "whole"):
+        row |= percentiles(name, (r[f"{name}_s"] for r in runs))
+    row |= percentiles("enter_whole", [r["whole_s"] for r in runs if r["after_enter"]] or [0.0])
+    return row | {
+        "right": sum(r["right"] for r in runs) / len(runs),
+        "read": sum(r["read"] for r in runs) / len(runs),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
-    parser.add_argument("--cases", type=int, default=12)
-    parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--sessions", type=int, default=2)
+    parser.add_argument("--lines", type=int, default=2, help="lines typed per session")
+    parser.add_argument("--keystrokes", type=int, help="only the first N keystrokes of each session")
+    parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--only", help="comma-separated server names (default: all)")
     parser.add_argument("--out", type=Path, default=Path("fim-side-by-side"), help="folder for logs and results")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     chosen = {k: v for k, v in servers(args).items() if not args.only or k in args.only.split(",")}
-    running = {}
-    saved_prompts = cache_dir() / "prompts"
-    shutil.rmtree(saved_prompts, ignore_errors=True)
-    try:
-        for name, command in chosen.items():
-            running[name] = start(command, args.out / f"{name.replace(' ', '_')}.log")
-        runs: dict[str, list[dict]] = {name: [] for name in running}
-        for i, case in enumerate(cases(args.cases)):
-            for name in list(running) if i % 2 == 0 else list(running)[::-1]:
-                done = complete(running[name][1], case) | {"case": case.name}
-                runs[name].append(done)
-                print(
-                    f"{case.name:<18} {name:<20} first {done['first_s'] * 1000:6.0f} ms  last"
-                    f" {done['last_s'] * 1000:6.0f} ms  exact {done['exact']}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    finally:
-        for process, _ in running.values():
-            process.terminate()
-            process.wait(timeout=30)
-        shutil.rmtree(saved_prompts, ignore_errors=True)
+    runs: dict[str, list[dict]] = {name: [] for name in chosen}
+    for i, session in enumerate(sessions(args.sessions, lines=args.lines)):
+        session = Session(session.name, session.keystrokes[: args.keystrokes])
+        for name in list(chosen) if i % 2 == 0 else list(chosen)[::-1]:
+            process, url = start(chosen[name], args.out / f"{name.replace(' ', '_')}.log")
+            try:
+                runs[name] += type_session(url, session, name)
+            finally:
+                stop(process)
     machine = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((line.split(":", 1)[1].strip() for line in machine.splitlines() if "Model name" in line), "?")
-    report = {"machine": model_name or platform.processor(), "cases": args.cases, "threads": args.threads}
-    report["servers"] = {name: summary(r) for name, r in runs.items()}
+    report = {"machine": model_name, "sessions": args.sessions, "threads": args.threads, "ctx": args.ctx}
+    report["servers"] = {name: summary(r) for name, r in runs.items() if r}
     (args.out / "results.json").write_text(json.dumps(report | {"runs": runs}, indent=2))
-    print(f"{args.cases} completions, {model_name}, {args.threads} threads; ms from the request")
-    print("| server | first p50 | first p90 | last p50 | last p90 | exact |\n|---|---|---|---|---|---|")
+    keys = len(next(iter(runs.values())))
+    print(f"{keys} keystrokes in {args.sessions} typing sessions, {model_name}, {args.threads} threads")
+    print("ms from the request to the first token, the first answer's first line, and all answers")
+    print("| server | first p50 | p90 | first line p50 | p90 | all p50 | p90 | all after Enter p90 | right | read |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, s in report["servers"].items():
-        print(
-            f"| {name} | {s['first_p50_ms']:.0f} | {s['first_p90_ms']:.0f} | {s['last_p50_ms']:.0f}"
-            f" | {s['last_p90_ms']:.0f} | {s['exact']:.0%} |"
-        )
+        times = ("first_p50", "first_p90", "line_p50", "line_p90", "whole_p50", "whole_p90", "enter_whole_p90")
+        cells = [f"{s[t + '_ms']:.0f}" for t in times] + [f"{s['right']:.0%}", f"{s['read']:.1f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ class Reference:
 
     llm: Llama
     noise: dict[tuple, float] = field(default_factory=dict)
+    _pieces: list[bytes] | None = None
 
     @property
     def vocab(self):
@@ -57,27 +58,72 @@ class Reference:
             return llm.tokenize(text.encode(), add_bos=not (bos and text.startswith(bos)), special=True)
         return llm.tokenize(text.encode(), add_bos=True, special=True)
 
-    def greedy(self, prompt: list[int], limit: int, given: list[int] = (), gbnf: str | None = None) -> list[int]:
+    def greedy(
+        self, prompt: list[int], limit: int, given: list[int] = (), gbnf: str | None = None, healed: bytes = b""
+    ) -> list[int]:
         """Llama's greedy answer after `prompt` and the tokens `given` (kept as they are): up to
         `limit` tokens in all, ending before an end-of-generation token; under a GBNF grammar,
-        the likeliest token it allows (llama.cpp's grammar sampler, as Llama uses it). Its rows
-        stay in llm.scores (row len(prompt) - 1 + i chose token i)."""
+        the likeliest token it allows (llama.cpp's grammar sampler, as Llama uses it); after a
+        prompt healed of `healed`, the likeliest of the tokens the text allows (healed_tokens) until
+        the answer has written it. Its rows stay in llm.scores (row len(prompt) - 1 + i chose token i)."""
         llm, answer = self.llm, list(given)
         grammar = GrammarMask(self.vocab, gbnf) if gbnf else None
         for token in answer if grammar else ():
             grammar.accept(token)
-        llm.reset()
-        llm.eval(prompt + answer)
+        owed = self.owed(healed, answer)
+        self.hold(prompt + answer)
         while len(answer) < limit:
             row = llm.scores[llm.n_tokens - 1]
-            token = int(np.argmax(row)) if grammar is None else grammar.likeliest(row)
+            if owed:
+                allowed = self.healed_tokens(owed)
+                token = int(allowed[np.argmax(row[allowed])])
+            else:
+                token = int(np.argmax(row)) if grammar is None else grammar.likeliest(row)
             if llama_cpp.llama_vocab_is_eog(self.vocab, token):
                 break
             answer.append(token)
+            owed = self.owed(owed, [token])
             if grammar:
                 grammar.accept(token)
             llm.eval([token])
         return answer
+
+    def hold(self, tokens: list[int]) -> None:
+        """Llama's cache holding `tokens`, evaluated from what it held of them, as Llama.generate
+        reuses its cache (a 2,000-token fill-in-the-middle prompt is read once), the last token
+        always evaluated again, for its row."""
+        llm, held = self.llm, self.llm._input_ids.tolist()
+        keep = 0
+        while keep < min(len(held), len(tokens) - 1) and held[keep] == tokens[keep]:
+            keep += 1
+        if keep and llm._ctx.kv_cache_seq_rm(-1, keep, -1):
+            llm.n_tokens = keep
+        else:
+            llm.reset()
+        llm.eval(tokens[llm.n_tokens :])
+
+    @property
+    def pieces(self) -> list[bytes]:
+        """Each token's text as Llama detokenizes it (b"" for end-of-generation tokens)."""
+        if self._pieces is None:
+            llm, vocab = self.llm, self.vocab
+            self._pieces = [
+                b"" if llama_cpp.llama_vocab_is_eog(vocab, t) else llm.detokenize([t]) for t in range(llm.n_vocab())
+            ]
+        return self._pieces
+
+    def healed_tokens(self, owed: bytes) -> np.ndarray:
+        """The tokens that may come while an answer owes `owed` (a healed prompt's text): those whose
+        text begins with it, or is a beginning of it, found by walking the whole vocabulary."""
+        pieces = enumerate(self.pieces)
+        return np.array([t for t, piece in pieces if piece and (piece.startswith(owed) or owed.startswith(piece))])
+
+    def owed(self, owed: bytes, tokens: list[int]) -> bytes:
+        """What an answer still owes of a healed prompt's text after `tokens`."""
+        for token in tokens:
+            piece = self.pieces[token]
+            owed = owed[len(piece) :] if owed.startswith(piece) else b""
+        return owed
 
     def row(self, prompt: list[int], i: int) -> np.ndarray:
         """The logits that chose token i of the last greedy() answer."""
@@ -169,12 +215,14 @@ def assert_greedy_as_llama(
     raw: bool = False,
     limit: int | None = None,
     gbnf: str | None = None,
+    healed: bytes = b"",
 ) -> None:
     """A greedy answer's tokens `ours` from `engine` are llama-cpp-python's greedy answer token for
     token, but for at most one divergence at a float near-tie (see the module's docstring).
     prompt: text (raw, or one user message), a conversation, or tokens as given (a fill-in-the-middle
     prompt); text is tokenized by Llama and must give the engine's tokens. limit: the request's
-    max_tokens (default: the answer's length); gbnf: the grammar it was under."""
+    max_tokens (default: the answer's length); gbnf: the grammar it was under; healed: the text the
+    prompt (tokens, healed) was healed of."""
     reference = reference_for(engine.target)
     if prompt and isinstance(prompt[0], int):
         tokens = list(prompt)
@@ -182,7 +230,7 @@ def assert_greedy_as_llama(
         tokens = reference.prompt(prompt, raw)
         assert engine.prompt_tokens(prompt, raw=raw) == tokens, f"{name}: the prompt is not tokenized as Llama does"
     limit = len(ours) if limit is None else limit
-    expected = reference.greedy(tokens, limit, gbnf=gbnf)
+    expected = reference.greedy(tokens, limit, gbnf=gbnf, healed=healed)
     first = next((i for i, (a, b) in enumerate(zip(ours, expected, strict=False)) if a != b), None)
     if first is None:
         assert len(ours) == len(expected), f"{name}: {len(ours)} tokens where Llama answers {len(expected)}"
@@ -191,7 +239,7 @@ def assert_greedy_as_llama(
     gap = float(row[expected[first]] - row[ours[first]])
     bound = reference.batch_noise(tokens, expected[: first + 1])
     assert gap < bound, f"{name}: diverges from Llama at token {first}, logit gap {gap:.4f} (float noise {bound:.4f})"
-    rest = reference.greedy(tokens, limit, given=ours[: first + 1], gbnf=gbnf)
+    rest = reference.greedy(tokens, limit, given=ours[: first + 1], gbnf=gbnf, healed=healed)
     assert ours == rest, f"{name}: diverges from Llama a second time, after the near-tie at token {first}"
     excused.append(f"{name}: token {first}/{len(ours)}, gap {gap:.4f} < noise {bound:.4f}")
 
@@ -277,3 +325,20 @@ def chain_law(logits: np.ndarray, temperature: float, top_k: int, top_p: float, 
     p = np.zeros(len(logits))
     p[order[kept]] = w / w.sum()
     return p
+
+
+def healed_law_after(engine, tokens: list[int], healed: bytes, *, width: int, **chain) -> np.ndarray:
+    """The target's law for the first token after a prompt healed of `healed` (tokens: the prompt
+    as healed), dense: Llama's logits there, from a pass of `width` tokens (shaped as the verify
+    pass that scores it), the tokens the text does not allow (Reference.healed_tokens) removed, and
+    llama.cpp's chain on the rest (chain_law)."""
+    reference = reference_for(engine.target)
+    llm = reference.llm
+    llm.reset()
+    llm.eval(tokens[:-1])
+    llm.eval(tokens[-1:] * width)
+    logits = np.array(llm.scores[len(tokens) - 1])
+    allowed = reference.healed_tokens(healed)
+    masked = np.full(len(logits), -np.inf)
+    masked[allowed] = logits[allowed]
+    return chain_law(masked, **chain)

@@ -70,6 +70,14 @@ def test_generate_streams_text_and_stats_line(capsys, smollm2_path):
     assert "[target-only]" in err and "tok/s" in err
 
 
+def test_generate_heals_a_raw_prompt_that_ends_mid_word(capsys, smollm2_path):
+    argv = ["generate", "The capital of Fra", *SMALL, "--raw", "--temperature", "0", "--max-tokens", "3", "--json"]
+    healed = json.loads(run(capsys, *argv, "--heal")[1])
+    assert healed["stats"]["healed_bytes"] == len(" Fra") and healed["text"].startswith("nce")
+    assert json.loads(run(capsys, *argv)[1])["stats"]["healed_bytes"] == 0
+    assert_one_line_error(*run(capsys, "generate", "hi", *SMALL, "--heal")[::2], "healing", "raw")
+
+
 def test_models_lists_pairs(capsys):
     code, out, _ = run(capsys, "models")
     assert code == 0 and "qwen-coder" in out and "smollm2-self" in out and "(default)" in out

@@ -19,7 +19,8 @@ from test_server import Server
 
 import edgespec
 from edgespec import Infill, Request, SamplingParams, fim_bench
-from edgespec.fim_bench import cases
+from edgespec.fim_bench import Keystroke, sessions
+from edgespec.llama_api import request_of
 from edgespec.run import PREFILL_CHUNK
 
 pytestmark = pytest.mark.slow  # the Qwen pair, behind a server
@@ -43,18 +44,76 @@ def server():
     assert not any(" 500 " in line or "internal error" in line for line in s.lines), "".join(s.lines)
 
 
+def greedy_request(keystroke: Keystroke, **changes) -> Request:
+    """A keystroke's request as llama.vscode sends it, greedy, one answer, no time limit."""
+    body = keystroke.body() | {"samplers": ["temperature"], "temperature": 0, "t_max_predict_ms": 0, "n_cmpl": 1}
+    return replace(request_of(body, infill=True), **changes)
+
+
+def healed_prompt(engine, run) -> tuple[list[int], bytes]:
+    """The prompt a run read (its layout, healed) and the text it was healed of."""
+    tokens = run.layout.tokens
+    return tokens[: len(run.prompt)], b"".join(map(engine.target.piece, tokens[len(run.prompt) :]))
+
+
 def test_greedy_fim_answers_are_the_same_with_speculation_on_and_off(engine):
-    drafted = 0
-    for case in cases(2):
-        request = replace(case.request("off"), max_tokens=24, min_indent=0)
-        prompt = engine.prompt_tokens(request)  # (a FIM prompt: its rendering is test_fim's)
-        assert prompt.count(engine.target.fim.middle) == 1
-        for mode, gamma in (("off", None), ("copy", 8), ("model", 3), ("auto", "auto")):
-            other = engine.generate(replace(request, draft_mode=mode, gamma=gamma))
-            assert other.stats.n_tokens > 0 and other.finish_reason in ("length", "stop"), other.finish_reason
-            assert_greedy_as_llama(f"{case.name} {mode}", engine, prompt, other.tokens, limit=24)
-            drafted += other.stats.drafted
-    assert drafted > 0  # the check above compared speculation, not plain runs
+    """Keystrokes mid-word: the prompt is healed, and every mode's answer is Llama's given the text."""
+    drafted, healed = 0, 0
+    for session in sessions(2):
+        for keystroke in session.keystrokes[3:5]:
+            request = greedy_request(keystroke, max_tokens=24, min_indent=0)
+            for mode, gamma in (("off", None), ("copy", 8), ("model", 3), ("auto", "auto")):
+                run = engine.start(replace(request, draft_mode=mode, gamma=gamma))
+                tokens = [e.token for e in engine.events(run) if not e.done]
+                assert run.stats.finish_reason in ("length", "stop"), run.stats.finish_reason
+                prompt, owed = healed_prompt(engine, run)
+                assert prompt == run.prompt and prompt.count(engine.target.fim.middle) == 1
+                assert_greedy_as_llama(f"{session.name} {mode}", engine, prompt, tokens, limit=24, healed=owed)
+                drafted, healed = drafted + run.stats.drafted, healed + len(owed)
+    assert drafted > 0 and healed > 0  # speculation was compared, on healed prompts
+
+
+def test_a_keystroke_reads_what_it_typed_and_enter_keeps_the_head(engine):
+    """Typing on a line reads the new characters' tokens only (and the healed word's again); Enter
+    does too, its middle the line before and the new one; while idle, the head at the new line is
+    read, and the next keystroke is anchored there."""
+    engine.forget()
+    keys = sessions(1)[0].keystrokes
+    enter = next(i for i, k in enumerate(keys) if k.after_enter)
+
+    def typed(key):
+        run = engine.start(greedy_request(key, max_tokens=8))
+        list(engine.events(run))
+        return run
+
+    first = typed(keys[enter - 3])
+    assert first.stats.n_prompt_cached == 0 and first.layout.anchor == len(keys[enter - 3].infill.prefix)
+    for key in keys[enter - 2 : enter + 1]:
+        run = typed(key)
+        assert run.stats.n_prompt - run.stats.n_prompt_cached <= 3 and run.layout.head is first.layout.head
+    assert run.layout.anchor < len(key.infill.prefix) and b"\n" in b"".join(map(engine.target.piece, run.layout.middle))
+    engine.upkeep()  # idle: the accepted suggestion, and the head at the new line
+    after = typed(keys[enter + 1])
+    assert after.layout.anchor == len(keys[enter + 1].infill.prefix) and after.layout.head is not first.layout.head
+    assert after.stats.n_prompt - after.stats.n_prompt_cached <= 3
+
+
+def test_the_last_suggestion_drafts_the_next_keystroke_and_tab_finds_its_answer_read(engine):
+    """The user types the suggestion's first character: the rest is drafted (one round where the
+    target agrees) and the answer is the same; Tab (the suggestion accepted) finds its prompt read
+    and its answer drafted while the engine was idle."""
+    engine.forget()
+    key = sessions(1)[0].keystrokes[5]
+    shown = engine.generate(greedy_request(key, max_tokens=16))
+    assert len(shown.text.split("\n")[0]) > 2, shown.text
+    typed = replace(key.infill, cursor_line=key.infill.cursor_line + shown.text[0])
+    next_key = engine.generate(greedy_request(replace(key, infill=typed), max_tokens=16))
+    assert next_key.text.split("\n")[0] == shown.text[1:].split("\n")[0]
+    assert next_key.stats.accepted_prediction_tokens > 0 and next_key.stats.rounds <= 4, next_key.stats.as_dict()
+    engine.upkeep()  # the accepted suggestion is answered while idle
+    accepted = Infill.at_cursor(typed.before + next_key.text, typed.suffix, typed.chunks)
+    tab = engine.generate(greedy_request(replace(key, infill=accepted), max_tokens=11))
+    assert tab.stats.n_prompt - tab.stats.n_prompt_cached <= 3 and tab.stats.accepted_prediction_tokens > 0
 
 
 def test_the_answer_ends_at_an_end_of_generation_token_of_fim(engine):
@@ -120,15 +179,16 @@ def test_fim_on_a_model_without_fim_tokens_says_which_are_missing(self_engine):
         self_engine.generate(Request(FIZZBUZZ, GREEDY, max_tokens=4))
 
 
-def test_bench_fim_class_times_keystrokes(engine, capsys):
-    report = fim_bench.run_fim(engine, ["off", "auto"], repeats=1, log=print, count=2)
+def test_bench_fim_class_types_a_session(engine, capsys):
+    report = fim_bench.run_fim(engine, ["off", "auto"], repeats=1, log=print, count=1, keystrokes=6)
+    assert report["keystrokes"] == 6
     for row in report["modes"].values():
-        assert 0 < row["first_p50_ms"] <= row["last_p50_ms"] and 0 <= row["exact"] <= 1
-        assert 0 < row["prompt_read"] < 600  # the keystroke before left the chunks and the prefix in the cache
+        assert 0 < row["first_p50_ms"] <= row["line_p50_ms"] <= row["whole_p50_ms"] and 0 <= row["right"] <= 1
+        assert 0 < row["prompt_read"] <= 3  # a keystroke reads what it typed
     assert report["modes"]["off"]["vs_off_p50"] == 1
     fim_bench.print_rows(report)
     out = capsys.readouterr().out
-    assert out.count("first token") == 4 and re.search(r"^auto +\d+ +\d+ +\d+ +\d+ +[\d.]+x", out, flags=re.M)
+    assert out.count(": first ") == 12 and re.search(r"^auto +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +[\d.]+x", out, flags=re.M)
 
 
 # --- the recorded clients --------------------------------------------------------------
@@ -210,6 +270,18 @@ def test_tabby_streams_choices_of_a_suffix_completion(server):
     assert text and finishes in (["stop"], ["length"])
 
 
+def test_a_completion_that_ends_mid_word_is_healed(server):
+    """/completion heals a prompt's last word unless told not to: the answer goes on from the
+    user's characters, which it does not return."""
+    body = {"prompt": "def fizzbuzz(n):\n    for i in ran", "n_predict": 6, "temperature": 0}
+    healed = post(server, "/completion", body).json()
+    assert healed["speculative"]["healed_bytes"] == len(" ran") and healed["content"].startswith("ge("), healed
+    plain = post(server, "/completion", body | {"heal": False}).json()
+    assert plain["speculative"]["healed_bytes"] == 0 and plain["timings"]["prompt_n"] + plain["timings"]["cache_n"] == (
+        healed["timings"]["prompt_n"] + healed["timings"]["cache_n"] + 1
+    )
+
+
 def test_n_cmpl_answers_are_the_single_answers_of_the_following_seeds(server):
     body = {"input_prefix": "def area(r):\n", "input_suffix": "\n", "prompt": "    return ", "n_predict": 12}
     body |= {"temperature": 0.9, "seed": 7, "draft_mode": "off"}
@@ -239,6 +311,8 @@ def test_a_client_that_hangs_up_stops_its_answer(server):
         ("/completion", {"prompt": ""}, "prompt"),
         ("/completion", {"prompt": "x", "n_predict": -2}, "n_predict"),
         ("/v1/completions", {"prompt": "x", "suffix": 3}, "suffix"),
+        ("/completion", {"prompt": "x", "heal": "yes"}, "heal"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "heal": True}, "heal"),
     ],
 )
 def test_bad_editor_requests_get_llama_server_errors(server, path, body, param):

@@ -19,37 +19,66 @@ def chars(text: str) -> list[int]:
     return [ord(c) for c in text]
 
 
-def test_layout_is_llama_servers_repo_level_pattern():
+class Chars:
+    """A vocabulary of one token per character."""
+
+    def text_tokens(self, text: str) -> list[int]:
+        return chars(text)
+
+    def piece(self, token: int) -> bytes:
+        return chr(token).encode()
+
+
+CHARS = Chars()
+
+
+def test_the_cursor_line_comes_after_the_middle_token():
     case = Infill("abc", "xyz", "d", [Chunk("CH", "f.py"), Chunk("ck")])
-    tokens = layout(case, FIM, chars, n_ctx=8192, bos=1)
-    expected = [-4, *chars("myproject\n"), -5, *chars("f.py\n"), *chars("CH"), -5, *chars("tmp\n"), *chars("ck")]
-    expected += [-5, *chars("filename\n"), 1, -1, *chars("abcd"), -2, *chars("xyz"), -3]
-    assert tokens == expected
+    prompt = layout(case, FIM, CHARS, n_ctx=8192, bos=1)
+    head = [-4, *chars("myproject\n"), -5, *chars("f.py\n"), *chars("CH"), -5, *chars("tmp\n"), *chars("ck")]
+    head += [-5, *chars("filename\n"), 1, -1, *chars("abc"), -2, *chars("xyz"), -3]
+    assert list(prompt.head.tokens) == head and prompt.middle == chars("d") and prompt.tokens == head + chars("d")
+    assert prompt.anchor == 3 and prompt.head.prefix_text == "abc"
 
 
 def test_layout_without_repo_or_file_tokens_separates_snippets():
     case = Infill("p", "s", chunks=[Chunk("one"), Chunk("two")])
-    tokens = layout(case, FimTokens(-1, -2, -3), chars, n_ctx=8192)
+    tokens = layout(case, FimTokens(-1, -2, -3), CHARS, n_ctx=8192).tokens
     snippet = chars("\n\n--- snippet ---\n\n")
     assert tokens == [*snippet, *chars("one"), *snippet, *chars("two"), -1, *chars("p"), -2, *chars("s"), -3]
 
 
 def test_layout_budgets_keep_what_is_nearest_the_cursor():
-    """Batch 2048 (llama-server's): the prefix's last 1536 tokens, the suffix's first
-    512 - (2 + cursor line), the chunks' last n_ctx - (batch + 2) - 2 * answer."""
+    """Batch 2048 (llama-server's): the prefix's last 1536 tokens, the suffix's first 510 whatever
+    the cursor line, the middle's 256 at most, the chunks' last n_ctx - (batch + 2) - 256 - 256."""
     case = Infill("P" * 2000 + "p", "s" + "S" * 2000, "cur", [Chunk("C" * 5000 + "c")])
-    tokens = layout(case, FIM, chars, n_ctx=4096)
+    prompt = layout(case, FIM, CHARS, n_ctx=4096)
+    tokens = list(prompt.head.tokens)
     pre, suf, mid = tokens.index(-1), tokens.index(-2), tokens.index(-3)
     extra = [-4, *chars("myproject\n"), -5, *chars("tmp\n"), *chars("C" * 5000 + "c"), -5, *chars("filename\n")]
-    assert tokens[:pre] == extra[-(4096 - 2050 - 256) :]
-    assert tokens[pre + 1 : suf] == chars("P" * 1535 + "p" + "cur")
-    assert tokens[suf + 1 : mid] == chars(("s" + "S" * 2000)[: 512 - (2 + 3)])
-    assert mid == len(tokens) - 1
+    assert tokens[:pre] == extra[-(4096 - 2050 - 256 - 256) :]
+    assert tokens[pre + 1 : suf] == chars("P" * 1535 + "p")
+    assert tokens[suf + 1 : mid] == chars(("s" + "S" * 2000)[:510])
+    assert mid == len(tokens) - 1 and prompt.middle == chars("cur")
+
+
+def test_a_keystroke_changes_the_middle_only():
+    before, after = (
+        layout(Infill("def f(self):\n", "\n", line), FIM, CHARS, n_ctx=4096) for line in ("    sel", "    self")
+    )
+    assert before.head == after.head and after.middle == before.middle + chars("f")
+
+
+def test_a_cursor_line_longer_than_the_middle_budget_moves_the_anchor_into_it():
+    case = Infill("x\n", "\n", "y" * 300)
+    prompt = layout(case, FIM, CHARS, n_ctx=4096)
+    assert len(prompt.middle) <= 256 and prompt.anchor > len(case.prefix)
+    assert prompt.head.prefix_text + bytes(prompt.middle).decode() == case.before
 
 
 def test_a_small_context_halves_the_batch_the_budgets_come_from():
     case = Infill("P" * 1000, "S" * 1000, chunks=[Chunk("C" * 1000)])
-    tokens = layout(case, FIM, chars, n_ctx=1024)
+    tokens = layout(case, FIM, CHARS, n_ctx=1024).tokens
     assert tokens.count(ord("P")) == 3 * 128 and tokens.count(ord("S")) == 128 - 2
     assert len(tokens) < 1024
 
