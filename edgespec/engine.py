@@ -122,7 +122,7 @@ class Engine:
 
     def _idle_chunk(self) -> int:
         """Prompt tokens an idle pass reads: the most that take IDLE_PASS_S at most here (on a
-        2-core CPU 16 tokens, on a GPU a whole PREFILL_CHUNK)."""
+        2-core CPU 6 to 8 tokens, on a GPU a whole PREFILL_CHUNK)."""
         costs = self.costs.of_request(self.target, None)
         sizes = [k for k in costs.pass_sizes(PREFILL_CHUNK) if costs.verify_pass(k) <= IDLE_PASS_S]
         return max(sizes, default=1)

@@ -14,7 +14,10 @@ repo-level pattern (arXiv 2409.12186) and llama-server's budgets, for its defaul
 (a context under 4096 tokens: from half of it): the prefix's last 1536 tokens, the suffix's first
 510, the middle's last 256 at most, the chunks' last tokens within what the context leaves after
 those and 256 tokens for the answer. The budgets depend on nothing a keystroke changes, so the
-head stays the same token for token.
+head stays the same token for token. A head read after a line change keeps its predecessor's
+prefix and the lines typed since (so the two share their tokens, and only the new lines are
+read): its prefix may run over the budget by up to half the middle's, which gives up as much, and
+where it would run over by more it is cut again, lower, so that the heads after it grow a while.
 
 llama-server puts the cursor line at the end of the prefix instead ([PRE]prefix+typed [SUF]suffix
 [MID]), so that every keystroke reads the cursor line and the whole suffix again (about 500 tokens
@@ -114,6 +117,15 @@ class Budgets:
     middle: int
     chunks: int
 
+    @property
+    def longest_prefix(self) -> int:
+        """A head's prefix at most: the budget and half the middle's (see the module docstring)."""
+        return self.prefix + self.middle // 2
+
+    def middle_after(self, prefix: int) -> int:
+        """The middle's budget after a prefix of `prefix` tokens: what the prefix left of the two."""
+        return self.middle - max(0, prefix - self.prefix)
+
     @classmethod
     def of(cls, n_ctx: int) -> Budgets:
         batch = min(FIM_BATCH, n_ctx // 2)  # a small context keeps room for the chunks and the answer
@@ -128,13 +140,14 @@ class Budgets:
 @dataclass(frozen=True)
 class Head:
     """A prompt up to its [MID], for one anchor: what stays in the cache while the user types after
-    the anchor. prefix_text: the text before the anchor that it holds (from a line start); suffix and
-    chunks: those of the requests it was made for."""
+    the anchor. prefix_text: the text before the anchor that it holds (from a line start), in
+    prefix_length tokens; suffix and chunks: those of the requests it was made for."""
 
     tokens: tuple[int, ...]
     prefix_text: str
     suffix: str
     chunks: tuple[Chunk, ...]
+    prefix_length: int
 
     def fits(self, infill: Infill, anchor: int) -> bool:
         """Whether a request's text agrees with this head with its anchor at `anchor` (an index of
@@ -175,7 +188,8 @@ def head(
 ) -> Head:
     """The head of the request's prompt with its anchor at `anchor`; bos: where the model wants one.
     prefix: the text before the anchor it is to hold (an earlier head's and the lines typed since,
-    so that the two share their tokens); None, or too long: the lines nearest the anchor that fit."""
+    so that the two share their tokens), up to Budgets.longest_prefix tokens; None: the lines
+    nearest the anchor that fit the budget; too long: those that fit half the middle's less."""
     budgets = Budgets.of(n_ctx)
     extra: list[int] = []
     if fim.repo is not None:
@@ -187,12 +201,14 @@ def head(
     if fim.file_sep is not None:
         extra += [fim.file_sep, *vocab.text_tokens(CURRENT_FILE)]
     extra = extra[max(0, len(extra) - budgets.chunks) :]
-    tokens = vocab.text_tokens(prefix) if prefix is not None else []
-    if prefix is None or len(tokens) > budgets.prefix:
+    if prefix is None:
         prefix, tokens = _nearest_lines(infill.before[:anchor], vocab, budgets.prefix)
+    elif len(tokens := vocab.text_tokens(prefix)) > budgets.longest_prefix:
+        # cut lower than the budget, by what a prefix may run over it: the heads after this one grow a while
+        prefix, tokens = _nearest_lines(infill.before[:anchor], vocab, budgets.prefix - budgets.middle // 2)
     suffix = vocab.text_tokens(infill.suffix)[: budgets.suffix]
     head = (*extra, *([bos] if bos is not None else []), fim.prefix, *tokens, fim.suffix, *suffix, fim.middle)
-    return Head(head, prefix, infill.suffix, infill.chunks)
+    return Head(head, prefix, infill.suffix, infill.chunks, len(tokens))
 
 
 def _nearest_lines(text: str, vocab: Vocabulary, budget: int) -> tuple[str, list[int]]:
@@ -209,10 +225,11 @@ def _nearest_lines(text: str, vocab: Vocabulary, budget: int) -> tuple[str, list
     return text, tokens
 
 
-def middle(infill: Infill, anchor: int, vocab: Vocabulary, *, n_ctx: int) -> list[int] | None:
-    """The tokens of the text typed since the anchor (None: more than the middle's budget)."""
+def middle(infill: Infill, anchor: int, vocab: Vocabulary, *, n_ctx: int, prefix: int = 0) -> list[int] | None:
+    """The tokens of the text typed since the anchor (None: more than the middle's budget after a
+    head's prefix of `prefix` tokens)."""
     tokens = vocab.text_tokens(infill.before[anchor:])
-    return tokens if len(tokens) <= Budgets.of(n_ctx).middle else None
+    return tokens if len(tokens) <= Budgets.of(n_ctx).middle_after(prefix) else None
 
 
 def layout(infill: Infill, fim: FimTokens, vocab: Vocabulary, *, n_ctx: int, bos: int | None = None) -> FimPrompt:

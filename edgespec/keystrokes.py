@@ -77,7 +77,7 @@ class Keystrokes:
         for anchor in anchors:
             for known in self.heads:
                 if known.fits(infill, anchor) and cached(known.tokens) >= len(known.tokens) - 1:
-                    typed = middle(infill, anchor, self.vocab, n_ctx=self.n_ctx)
+                    typed = middle(infill, anchor, self.vocab, n_ctx=self.n_ctx, prefix=known.prefix_length)
                     if typed is not None:
                         self._remember(known)
                         return FimPrompt(known, typed, anchor)

@@ -7,7 +7,7 @@ Per server: the p50 and p90 of the time to the first token, to the first answer'
 all three answers, of all answers after Enter, how often that first line is the rest of the real
 line, and the prompt tokens a keystroke read.
 
-    python scripts/fim_side_by_side.py --llama-server PATH/TO/llama-server [--sessions 2] [--lines 2] [--ctx 8192]
+    python scripts/fim_side_by_side.py --llama-server PATH/TO/llama-server [--sessions 2] [--lines 2] [--greedy]
 
 Servers: edgespec (auto, the default pair) and edgespec with speculation off; llama-server plain
 and with --cache-reuse 256 (what llama.vscode's README recommends), with its default slots (4, one
@@ -80,14 +80,18 @@ def stop(process: subprocess.Popen) -> None:
     shutil.rmtree(cache_dir() / "prompts", ignore_errors=True)
 
 
-def keystroke(url: str, key: Keystroke) -> dict:
-    """One keystroke's request, streamed: seconds to the first token, to the first answer's first
-    line and to the end; whether that line is the rest of the real line; the prompt tokens read."""
+GREEDY = {"samplers": ["temperature"], "temperature": 0}  # --greedy: the layouts' own answers, no draw
+
+
+def keystroke(url: str, key: Keystroke, sampling: dict) -> dict:
+    """One keystroke's request (`sampling` in place of llama.vscode's), streamed: seconds to the first
+    token, to the first answer's first line and to the end; whether that line is the rest of the real
+    line; the prompt tokens read."""
     texts: dict[int, str] = {}
     first = line = None
     read = 0
     start = time.perf_counter()
-    with httpx.stream("POST", url + "/infill", json=key.body(), timeout=600) as response:
+    with httpx.stream("POST", url + "/infill", json=key.body() | sampling, timeout=600) as response:
         response.raise_for_status()
         for raw in response.iter_lines():
             if not raw.startswith("data: "):
@@ -114,12 +118,12 @@ def keystroke(url: str, key: Keystroke) -> dict:
     }
 
 
-def type_session(url: str, session: Session, name: str) -> list[dict]:
+def type_session(url: str, session: Session, name: str, sampling: dict) -> list[dict]:
     warm_up = session.keystrokes[0].body() | {"n_predict": 0, "stream": False}
     httpx.post(url + "/infill", json=warm_up, timeout=1200).raise_for_status()
     runs, keys = [], session.keystrokes
     for key, following in zip(keys, [*keys[1:], None], strict=True):
-        done = keystroke(url, key) | {"session": session.name, "cursor_line": key.infill.cursor_line}
+        done = keystroke(url, key, sampling) | {"session": session.name, "cursor_line": key.infill.cursor_line}
         runs.append(done)
         typed = key.infill.cursor_line.strip()[-20:]
         print(
@@ -151,6 +155,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=2)
     parser.add_argument("--lines", type=int, default=2, help="lines typed per session")
     parser.add_argument("--keystrokes", type=int, help="only the first N keystrokes of each session")
+    parser.add_argument("--greedy", action="store_true", help="greedy answers in place of llama.vscode's samplers")
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--only", help="comma-separated server names (default: all)")
@@ -164,16 +169,20 @@ def main() -> None:
         for name in list(chosen) if i % 2 == 0 else list(chosen)[::-1]:
             process, url = start(chosen[name], args.out / f"{name.replace(' ', '_')}.log")
             try:
-                runs[name] += type_session(url, session, name)
+                runs[name] += type_session(url, session, name, GREEDY if args.greedy else {})
             finally:
                 stop(process)
     machine = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((line.split(":", 1)[1].strip() for line in machine.splitlines() if "Model name" in line), "?")
     report = {"machine": model_name, "sessions": args.sessions, "threads": args.threads, "ctx": args.ctx}
+    report["sampling"] = "greedy" if args.greedy else "llama.vscode's"
     report["servers"] = {name: summary(r) for name, r in runs.items() if r}
     (args.out / "results.json").write_text(json.dumps(report | {"runs": runs}, indent=2))
     keys = len(next(iter(runs.values())))
-    print(f"{keys} keystrokes in {args.sessions} typing sessions, {model_name}, {args.threads} threads")
+    print(
+        f"{keys} keystrokes in {args.sessions} typing sessions, {report['sampling']} sampling, {model_name},"
+        f" {args.threads} threads"
+    )
     print("ms from the request to the first token, the first answer's first line, and all answers")
     print("| server | first p50 | p90 | first line p50 | p90 | all p50 | p90 | all after Enter p90 | right | read |")
     print("|---|---|---|---|---|---|---|---|---|---|")

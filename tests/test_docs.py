@@ -133,15 +133,20 @@ def test_readme_editors_section(default_server):
 
 
 @pytest.mark.slow
-def test_fim_side_by_side_script_runs(tmp_path):
+@pytest.mark.parametrize("sampling", ["llama.vscode's", "greedy"])
+def test_fim_side_by_side_script_runs(tmp_path, sampling):
     script = Path(__file__).parents[1] / "scripts" / "fim_side_by_side.py"
     argv = [sys.executable, str(script), "--llama-server", "unused", "--sessions", "1", "--keystrokes", "3"]
     argv += ["--ctx", "4096", "--only", "edgespec", "--out", str(tmp_path)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [*argv, *(["--greedy"] if sampling == "greedy" else [])], capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr
     assert re.search(r"\| edgespec( \| \d+){7} \| \d+% \| [\d.]+ \|", done.stdout), done.stdout
-    row = json.loads((tmp_path / "results.json").read_text())["servers"]["edgespec"]
+    report = json.loads((tmp_path / "results.json").read_text())
+    row = report["servers"]["edgespec"]
     assert 0 <= row["right"] <= 1 and 0 < row["read"] <= 3  # a keystroke reads what it typed
+    assert report["sampling"] == sampling
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edgespec import fim_bench
 from edgespec.fim import Chunk, FimTokens, Infill, layout
 from edgespec.llama_api import answers_of, request_of
 from edgespec.request import RequestError
@@ -134,21 +135,13 @@ def test_infill_with_no_sure_text_token_is_the_end_of_turn_alone():
     assert survivors({**{i: 0.099 for i in range(10)}, 10: 0.01}, vocab) == {11: 1.0}
 
 
-LLAMA_VSCODE = {
+LLAMA_VSCODE = fim_bench.LLAMA_VSCODE | {  # llama.vscode's defaults, with its text at a cursor
     "id_slot": 0,
     "input_prefix": "def f():\n",
     "input_suffix": "\n",
     "input_extra": [{"text": "x = 1\n", "time": 1, "filename": "a.py"}],
     "prompt": "    re",
-    "n_predict": 128,
-    "n_cmpl": 3,
-    "top_k": 40,
-    "top_p": 0.99,
-    "samplers": ["top_k", "top_p", "infill"],
-    "cache_prompt": True,
     "n_indent": 4,
-    "t_max_prompt_ms": 500,
-    "t_max_predict_ms": 500,
     "lora": [],
     "model": "any",
 }

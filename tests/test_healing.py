@@ -155,7 +155,7 @@ def test_the_first_healed_token_follows_llamas_law_given_the_text(requant_engine
     """Sampled through drafts accepted and rejected: the first token's law is llama.cpp's chain on
     Llama's logits of the tokens the text allows (its top-k among them, not among all)."""
     engine, gamma = (requant_engine, 4) if mode == "model" else (copy_engine, 8)
-    prediction = " state of the art." if mode == "copy" else None
+    prediction = "ate of the art." if mode == "copy" else None  # the text after the prompt, as the answer's
     tokens = healed_prompt(engine, SPREAD, b" st")
     p = healed_law_after(engine, tokens, b" st", width=gamma + 1, **CHAIN)
     runs, counts, sources = 1000, np.zeros(len(p)), set()

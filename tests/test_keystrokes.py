@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from test_fim import CHARS, chars
 
-from edgespec.fim import FimTokens, Infill
+from edgespec.fim import Budgets, FimTokens, Infill, middle
 from edgespec.keystrokes import Keystrokes
 from edgespec.request import Request
 from edgespec.sampling import SamplingParams
@@ -85,6 +85,38 @@ def test_an_answer_plans_the_accepted_suggestion_and_the_head_at_the_cursor_line
     # once read (cached), the next keystroke is anchored at its line
     after = k.prompt(Infill(PREFIX + "x = 1\n", SUFFIX, "y "), held)
     assert after.head == read.layout.head and after.middle == chars("y ")
+
+
+def test_a_head_after_a_line_change_keeps_its_prefix_until_over_by_half_the_middle_then_is_cut_lower():
+    """Line after line in a long file: each new head holds the last one's prefix and the line typed
+    (the two share their tokens) while that fits the prefix's budget and half the middle's; then it is
+    cut to the budget less half the middle's, once, and grows again. The middle gets what the prefix
+    leaves of the two, so a prompt is never longer than the budgets allow."""
+    budgets, k = Budgets.of(4096), keystrokes()
+    before = "".join(f"line {i:04}\n" for i in range(200))  # 2000 tokens, one a character
+    last = k.prompt(Infill(before, SUFFIX, ""), held).head
+    assert last.prefix_length <= budgets.prefix
+    kept, cut = 0, 0
+    for i in range(30):
+        before += f"x = {i:04}\n"  # typed, then Enter
+        infill = Infill(before, SUFFIX, "")
+        k.answered(Request(infill, max_tokens=16), k.prompt(infill, held), "y\n")
+        new = k.next_idle().layout.head
+        assert new.prefix_length <= budgets.longest_prefix
+        if new.prefix_text == last.prefix_text + f"x = {i:04}\n":
+            end = last.tokens.index(-2)  # the old head's [SUF]: all before it is shared
+            assert new.tokens[:end] == last.tokens[:end]
+            kept += 1
+        else:
+            assert new.prefix_length <= budgets.prefix - budgets.middle // 2 and before.endswith(new.prefix_text)
+            cut += 1
+        last = new
+    assert kept == 29 and cut == 1
+    room = budgets.middle - (budgets.longest_prefix - budgets.prefix)
+    for typed, fits in (("z" * room, True), ("z" * (room + 1), False)):
+        assert (
+            middle(Infill("", SUFFIX, typed), 0, CHARS, n_ctx=4096, prefix=budgets.longest_prefix) is not None
+        ) == fits
 
 
 def test_an_answer_anchored_at_its_cursor_line_plans_no_head_and_later_answers_nothing():
