@@ -108,7 +108,11 @@ def home(index, tmp_path):
 
 def start_pull(env) -> subprocess.Popen:
     argv = [sys.executable, "-m", "edgespec", "pull", "chunky", "--offline"]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGHUP as a terminal's process has it (a suite run under nohup would hand its children "ignore")
+    hangs_up = lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)  # noqa: E731
+    return subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=hangs_up
+    )
 
 
 def wheels_in(cache, *, whole_only: bool = False) -> int:
