@@ -145,9 +145,9 @@ class Healing:
         which the answer may not take yet, left out: where nothing else survives, the chain without it)."""
         if self.done:
             return law(logits, params, vocab)
-        ids = self._allowed(len(logits))
         if params.greedy:
-            return Law.point(int(ids[np.argmax(logits[ids])]))
+            return Law.point(self.argmax(logits))
+        ids = self._allowed(len(logits))
         masked = np.full(len(logits), -np.inf, dtype=np.float32)
         masked[ids] = logits[ids]
         p = law(masked, params, vocab)
