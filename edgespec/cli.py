@@ -16,6 +16,7 @@ from .request import Request
 from .sampling import DEFAULT, SamplingParams
 
 TEMPERATURE_HELP = f"0 = greedy (default {DEFAULT.temperature:g})"
+DEFAULT_PARALLEL = 4  # serve: requests answered at once, as llama-server's slots
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
@@ -104,6 +105,7 @@ def _load(args: argparse.Namespace):
         cache_ram=getattr(args, "cache_ram", DEFAULT_CACHE_RAM_MIB),
         offline=args.offline,
         check_template=args.command in ("generate", "bench") and not getattr(args, "raw", False),
+        parallel=getattr(args, "parallel", 1),
     )
 
 
@@ -241,7 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_flags(args)
     sock = listen(args.host, args.port)  # before loading: a port in use costs no load time
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    worker = Worker(lambda: _load(args))  # the engine lives on the worker's thread
+    worker = Worker(lambda: _load(args), args.parallel)  # the engine lives on the worker's thread
     engine = worker.wait_loaded()
     names = [args.target, args.draft] if args.target else _pair_models(load_registry(), args.pair)
     target, draft = (Path(m).name if m and Path(m).suffix == ".gguf" else m for m in names)
@@ -252,6 +254,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     auth = " -H 'Authorization: Bearer YOUR_KEY'" if args.api_key else ""
     drafted = f" drafted by {draft}" if engine.drafter else ""
     context = f"context {engine.target.n_ctx} tokens (trained {engine.target.n_ctx_train})"
+    if args.parallel > 1:
+        context += f", shared by up to {args.parallel} requests answered at once"
     print(f"edgespec serve: {target}{drafted}, {context}", file=sys.stderr)
     print(f"  OpenAI API at {url} (chat completions, completions, responses; Ctrl+C stops)", file=sys.stderr)
     print(
@@ -365,6 +369,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    v.add_argument(
+        "--parallel",
+        type=int,
+        default=DEFAULT_PARALLEL,
+        metavar="N",
+        help=f"requests answered at once (default {DEFAULT_PARALLEL}, as llama-server); they share the context,"
+        " editors' completions go first, and the rest wait their turn",
+    )
     v.add_argument(
         "--max-tokens",
         type=int,

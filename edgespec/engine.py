@@ -22,6 +22,7 @@ from .model import Model
 from .modes import DraftMode, Gamma, adaptive, check_mode, draft_modes
 from .request import Prompt, Request
 from .run import PREFILL_CHUNK, Event, Run
+from .sequences import Sequences
 from .stats import Stats
 from .tools import ToolCall, call_grammar, prepare
 
@@ -76,6 +77,7 @@ class Engine:
         self._owned = [target] if owned is None else list(owned)
         self.costs = MachineCosts(timer)
         self.keystrokes: Keystrokes | None = None  # an editor's requests' memory, from the first infill on
+        self.sequences = Sequences(self.models)  # one per request answered at once (Model's n_seq)
         self._idle: IdleRun | None = None  # the idle work under way
 
     @property
@@ -150,9 +152,13 @@ class Engine:
     def _stop_idle(self) -> None:
         """A request comes first: the idle work under way stops, and what it read is kept (a head
         is read a few tokens at a time, in the gaps between keystrokes)."""
-        if self._idle is not None and self.target.prompt_cache is not None:
+        idle, self._idle = self._idle, None
+        if idle is None:
+            return
+        if self.target.prompt_cache is not None and idle.run.sequence is not None:
+            self.sequences.enter(idle.run.sequence)
             self.target.prompt_cache.keep(self.target)
-        self._idle = None
+        idle.steps.close()  # its sequence free for the request
 
     def _start(
         self,
@@ -194,6 +200,7 @@ class Engine:
             tokens,
             controller,
             constraint,
+            self.sequences,
             cancelled,
             healed=healed.removed,
             layout=layout,
@@ -299,8 +306,16 @@ class Engine:
     def events(self, run: Run) -> Iterator[Event]:
         """The events of a started Run (what stream() gives): a caller that must know the
         request is good before its prefill (the server) starts it, then takes its events."""
+        return (event for event in self.steps(run) if event is not None)
+
+    def steps(self, run: Run) -> Iterator[Event | None]:
+        """events(), with a None after each prefill pass: a scheduler that runs several requests
+        at once (engine_thread.py) takes each a pass at a time."""
         text = []
-        for event in run.events():
+        for event in run.steps():
+            if event is None:
+                yield None
+                continue
             text.append(event.text)
             if event.done:  # before the last event goes out: an engine thread re-checks once the answer is in
                 self.costs.answered(run.stats.prefill_s + run.stats.decode_s, run.controller.costs)
@@ -316,11 +331,14 @@ class Engine:
     def forget(self) -> None:
         """Empty the KV caches and the saved prompts: the next prompt is evaluated from
         scratch (as bench needs, to time prefill), with no memory of an editor's keystrokes."""
-        self._idle = None
+        self._stop_idle()
         if self.keystrokes is not None:
             self.keystrokes.forget()
+        for seq in range(self.sequences.count):
+            self.sequences.enter(seq)
+            for model in self.models:
+                model.truncate(0)
         for model in self.models:
-            model.truncate(0)
             if model.prompt_cache is not None:
                 model.prompt_cache.drop(model)
 

@@ -3,21 +3,35 @@
 llama.cpp's OpenMP builds give each thread that runs a model a thread team of its own;
 once the teams outnumber the cores every pass slows down (by a quarter on 2 cores,
 measured). So an engine is used from one thread only: the server and the chat app hand
-their work to an EngineThread, which runs it in order. When nothing is queued it does
-the engine's idle work a step at a time (Engine.idle_step: re-timing costs, reading ahead
-for an editor's next keystroke), so that it never sits between an answer's last token and
-its return, and a job that comes waits for one step at most.
+their work to an EngineThread.
 
-A job that should stop early (a client gone, Esc in the chat) is told by its owner
-through a flag it reads each round; close() drops the jobs not started, then runs its last one.
+It runs two kinds of work. A job (submit) runs whole, between two steps of the rest:
+loading, counting tokens, the chat app's answer. A task (start) is a generator that yields
+after each engine pass (a prefill chunk, a round, a token given out): up to `parallel` of
+them run at once, each in its own sequence of the models' contexts, a step of each in turn,
+so that a request's wait never depends on the length of another's answer. Interactive
+tasks (an editor's completion, which its user waits for with the cursor still) take every
+step while there are any; the others go on after. The tasks beyond `parallel` wait, in the
+order they came.
+
+When nothing is queued or running it does the engine's idle work a step at a time
+(Engine.idle_step: re-timing costs, reading ahead for an editor's next keystroke), so that
+it never sits between an answer's last token and its return, and work that comes waits for
+one step at most.
+
+A task that should stop early (a client gone, Esc in the chat) is told by its owner through
+a flag it reads each round; close() drops the tasks and jobs not started, lets the running
+tasks end, then runs its last job.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from time import perf_counter
 
 from .engine import Engine
@@ -25,56 +39,141 @@ from .engine import Engine
 REST_S = 0.1  # after a job, the engine waits this long before it works idle
 
 
+@dataclass(eq=False)
+class Job:
+    """Work run whole: work(*args), its result or exception in the future."""
+
+    future: Future
+    work: Callable
+    args: tuple
+
+
+@dataclass(eq=False)
+class Task(Job):
+    """Work run a step at a time: work(*args) is a generator; what it returns goes in the future."""
+
+    interactive: bool = False
+    steps: Iterator | None = field(default=None, repr=False)  # once started
+
+
+@dataclass(frozen=True)
+class Closing:
+    """The thread's last item: after the running tasks end, last() runs, and the thread ends."""
+
+    last: Callable | None
+
+
 class EngineThread:
-    def __init__(self, name: str = "edgespec-engine") -> None:
+    def __init__(self, name: str = "edgespec-engine", parallel: int = 1) -> None:
+        """parallel: tasks run at once (the engine's sequences, see sequences.py)."""
         self.engine: Engine | None = None  # whose upkeep runs when idle (set once loaded)
-        self._jobs: queue.Queue[tuple[Future, Callable, tuple] | None] = queue.Queue()
+        self.parallel = parallel
+        self._queue: queue.Queue[Job | Closing] = queue.Queue()
+        self._waiting: deque[Task] = deque()  # started, beyond `parallel`: in the order they came
+        self._running: list[Task] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, work: Callable, *args) -> Future:
-        """Run work(*args) on the engine thread after what is queued; its result or
-        exception comes in the future."""
+        """Run work(*args) on the engine thread, whole, between two steps of the tasks running;
+        its result or exception comes in the future."""
         future: Future = Future()
-        self._jobs.put((future, work, args))
+        self._queue.put(Job(future, work, args))
         return future
 
+    def start(self, work: Callable[..., Iterator], *args, interactive: bool = False) -> Future:
+        """Run the generator work(*args) a step at a time beside the other tasks (see the module
+        docstring); what it returns, or raises, comes in the future."""
+        future: Future = Future()
+        self._queue.put(Task(future, work, args, interactive))
+        return future
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """Tasks running, and waiting to run (read from any thread: an estimate)."""
+        running = len(self._running)
+        return running, self._queue.qsize() + len(self._waiting)
+
     def close(self, last: Callable | None = None) -> None:
-        """Drop the jobs not started, let the running one finish, run last() (closing the
+        """Drop the tasks and jobs not started, let the running tasks end, run last() (closing the
         engine, say) on the thread, end the thread."""
         while True:
             try:
-                job = self._jobs.get_nowait()
+                self._queue.get_nowait().future.cancel()
             except queue.Empty:
                 break
-            if job is not None:
-                job[0].cancel()
-        if last is not None:
-            self.submit(last)
-        self._jobs.put(None)
+        self._queue.put(Closing(last))
         self._thread.join()
 
     def _run(self) -> None:
         while True:
-            job = self._next()
-            if job is None:
-                return
-            future, work, args = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(work(*args))
-                except BaseException as e:  # the caller's to report (as with an executor)
-                    future.set_exception(e)
+            closing = self._take(wait=not self._running)
+            if closing is not None:
+                break
+            self._admit()
+            self._step()
+        for task in self._waiting:
+            task.future.cancel()
+        while self._running:
+            self._step()
+        if closing.last is not None:
+            _call(Job(Future(), closing.last, ()))
 
-    def _next(self) -> tuple[Future, Callable, tuple] | None:
-        """The next job; until it comes, from REST_S after the last on, the engine's idle work, a
+    def _take(self, wait: bool) -> Closing | None:
+        """What was queued: jobs run now, tasks join the waiting; the Closing if it came. wait:
+        until something comes, working idle meanwhile."""
+        while True:
+            try:
+                item = self._next() if wait else self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            wait = False
+            if isinstance(item, Closing):
+                return item
+            if isinstance(item, Task):
+                self._waiting.append(item)
+            else:
+                _call(item)
+
+    def _admit(self) -> None:
+        """Waiting tasks start while fewer than `parallel` run, interactive ones first."""
+        while self._waiting and len(self._running) < self.parallel:
+            task = next((t for t in self._waiting if t.interactive), self._waiting[0])
+            self._waiting.remove(task)
+            if task.future.set_running_or_notify_cancel():
+                task.steps = task.work(*task.args)
+                self._running.append(task)
+
+    def _step(self) -> None:
+        """One step of each running task (of the interactive ones alone, while there are any)."""
+        interactive = [t for t in self._running if t.interactive]
+        for task in interactive or list(self._running):
+            try:
+                next(task.steps)
+            except StopIteration as end:
+                self._running.remove(task)
+                task.future.set_result(end.value)
+            except BaseException as e:  # the caller's to report (as with an executor)
+                self._running.remove(task)
+                task.future.set_exception(e)
+
+    def _next(self) -> Job | Closing:
+        """The next item; until it comes, from REST_S after the last on, the engine's idle work, a
         step at a time (an editor sends its next request as the last answer comes: a step begun
         then would delay it)."""
         rested = perf_counter() + REST_S
         while True:
             try:
-                return self._jobs.get(timeout=max(0.0, rested - perf_counter()))
+                return self._queue.get(timeout=max(0.0, rested - perf_counter()))
             except queue.Empty:
                 pass
             if self.engine is None or not self.engine.idle_step():
-                return self._jobs.get()
+                return self._queue.get()
+
+
+def _call(job: Job) -> None:
+    if job.future.set_running_or_notify_cancel():
+        try:
+            job.future.set_result(job.work(*job.args))
+        except BaseException as e:  # the caller's to report (as with an executor)
+            job.future.set_exception(e)

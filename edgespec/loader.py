@@ -16,6 +16,8 @@ from .modes import DraftMode, Gamma, check_mode
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .registry import cached_path, load_registry, pull, verify_cached
 
+MAX_PARALLEL = 256  # requests at once: llama.cpp's limit on a context's sequences (LLAMA_MAX_SEQ)
+
 
 @dataclass(frozen=True)
 class PairInfo:
@@ -83,6 +85,7 @@ def load(
     offline: bool = False,
     progress: bool = True,
     check_template: bool = False,
+    parallel: int = 1,
 ) -> Engine:
     """Load a target model and (optionally) a draft model into an Engine.
 
@@ -99,7 +102,8 @@ def load(
     for their new part; 0 keeps only the live one. check_template: render the target's chat
     template once (in the sandbox) before the models are loaded and timed, so that a hostile
     one fails at once (the command line does, for chat prompts); otherwise it fails per request
-    and raw text still works.
+    and raw text still works. parallel: requests the engine answers at once (a sequence each in
+    both models' contexts, sharing their n_ctx cells; see sequences.py).
     Raises EdgespecError with a one-sentence reason for bad input."""
     gamma = Gamma.of(gamma) if gamma is not None else None
     if pair is not None and target is not None:
@@ -113,6 +117,8 @@ def load(
         if gamma is None and "gamma" in entry.settings:
             gamma = Gamma.of(entry.settings["gamma"])
     draft_mode = check_mode(draft_mode, has_model=draft is not None)
+    if not 1 <= parallel <= MAX_PARALLEL:
+        raise EdgespecError(f"parallel must be 1..{MAX_PARALLEL} requests at once, got {parallel}")
 
     paths = [resolve_model(m, offline=offline, progress=progress) for m in (target, draft) if m is not None]
     if check_template and (template := header_chat_template(paths[0])) is not None:  # what fails cheaply fails first
@@ -132,6 +138,7 @@ def load(
                     n_gpu_layers=n_gpu_layers,
                     kv_memory_share=share,
                     snapshots=snapshots,
+                    n_seq=parallel,
                 )
             )
         drafter = None

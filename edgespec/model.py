@@ -1,6 +1,7 @@
-"""A thin layer over llama.cpp's low-level API: one model, one context, one sequence.
+"""A thin layer over llama.cpp's low-level API: one model, one context, its sequences.
 
-`Model.tokens` always equals what the cache holds, so callers reason about the cache
+`Model.tokens` always equals what the cache holds in the sequence in use (`use()`: a
+context holds one per request answered at once), so callers reason about the cache
 as a token list: `sync()` keeps the longest common prefix with a new sequence,
 `eval()` appends, `truncate()` drops the tail, exactly, whatever the architecture.
 
@@ -22,10 +23,11 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import itertools
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp
@@ -105,6 +107,21 @@ class Checkpoint:
     data: ctypes.Array
 
 
+@dataclass
+class SequenceState:
+    """One sequence of a context: what its cache holds and its ways back."""
+
+    tokens: list[int] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None
+    last_pass: int = 0  # tokens in its last llama_decode: llama.cpp's snapshots cover only that pass
+    last_decode: int = 0  # which of the context's decodes that was (the snapshots are the last decode's)
+    snapshot_pending: bool = False  # a snapshot rollback is used once, by the next decode
+    last_used: int = 0  # when use() last chose it (the least recently used gives its cells up first)
+
+
+_uses = itertools.count(1)
+
+
 @dataclass(frozen=True)
 class StateSizes:
     """What a context of this model keeps: bytes per token (attention) and per sequence (recurrent)."""
@@ -114,7 +131,7 @@ class StateSizes:
 
 
 class Model:
-    """A GGUF model with its own llama.cpp context (a single sequence, id 0)."""
+    """A GGUF model with its own llama.cpp context, of n_seq sequences (one unless asked)."""
 
     def __init__(
         self,
@@ -128,6 +145,7 @@ class Model:
         repack: bool | None = None,
         kv_memory_share: float = KV_MEMORY_SHARE,
         snapshots: int = MAX_SNAPSHOTS,
+        n_seq: int = 1,
     ) -> None:
         """n_ctx: context size in tokens; None: the model's trained context, or less if its
         KV cache would take more than kv_memory_share of this machine's memory.
@@ -139,7 +157,9 @@ class Model:
         snapshots: on a recurrent or hybrid model, how many tokens a pass may be cut back by
         llama.cpp's snapshots (fewer if they would take more than SNAPSHOT_MEMORY_SHARE of
         memory; 0 where the architecture has none or they fail the probe); a draft model,
-        which decodes one token a pass, has no use for them."""
+        which decodes one token a pass, has no use for them.
+        n_seq: sequences the context holds (one per request answered at once, see use()); they
+        share its n_ctx cells (llama.cpp's unified KV cache: each may grow to n_ctx alone)."""
         self.path = check_gguf(path)
         self._model = self._ctx = self._batch = None
         self.n_threads = n_threads or os.cpu_count() or 1
@@ -153,25 +173,50 @@ class Model:
         self._model = _load(self.path, model_params)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
-        self.tokens: list[int] = []
+        self.n_seq, self.seq = n_seq, 0  # seq: the sequence eval(), cut(), sync() work on (see use())
+        self._sequences = [SequenceState() for _ in range(n_seq)]
+        self._now = self._sequences[0]
+        self.busy: set[int] = set()  # sequences that requests hold: never dropped to make room for another
+        self._decodes = 0  # llama_decode calls so far, of all sequences
         self.prompt_cache: PromptCache | None = None  # saved states of other prompts (see prompt_cache.py)
         self.recurrent = bool(
             llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model)
         )
-        self._checkpoint: Checkpoint | None = None
-        self._last_pass = 0  # tokens in the last llama_decode: llama.cpp's snapshots cover only that pass
-        self._snapshot_pending = False  # a snapshot rollback is used once, by the next decode
         sizes = self._state_sizes(n_batch) if self.recurrent else None
         if n_ctx is None:
             n_ctx = self.default_context(kv_memory_share, sizes.per_token if sizes else self.kv_bytes_per_token)
         self.n_snapshots = 0
         if sizes is not None and snapshots > 0:
-            self.n_snapshots = min(snapshots, int(SNAPSHOT_MEMORY_SHARE * physical_memory()) // max(sizes.recurrent, 1))
+            fit = int(SNAPSHOT_MEMORY_SHARE * physical_memory()) // max(sizes.recurrent * n_seq, 1)
+            self.n_snapshots = min(snapshots, fit)
         self._make_context(n_ctx, n_batch, flash_attn)
         if self.n_snapshots and not self._snapshots_work():  # not for this architecture, or not exact here
             self.n_snapshots = 0
             self._free_context()
             self._make_context(n_ctx, n_batch, flash_attn)
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the cache holds in the current sequence."""
+        return self._now.tokens
+
+    def use(self, seq: int) -> None:
+        """Work on sequence `seq` from now on (each request answered at once has its own)."""
+        self.seq, self._now = seq, self._sequences[seq]
+        self._now.last_used = next(_uses)
+
+    def sequence_tokens(self, seq: int) -> list[int]:
+        """What the cache holds in sequence `seq`."""
+        return self._sequences[seq].tokens
+
+    @property
+    def cells_used(self) -> int:
+        """Tokens all sequences hold (the context's n_ctx cells are theirs to share)."""
+        return sum(len(s.tokens) for s in self._sequences)
+
+    def last_used(self, seq: int) -> int:
+        """When use() last chose sequence `seq` (0: never; larger: later)."""
+        return self._sequences[seq].last_used
 
     @property
     def rollback(self) -> Rollback:
@@ -183,7 +228,8 @@ class Model:
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = n_ctx
         ctx_params.n_batch = ctx_params.n_ubatch = n_batch
-        ctx_params.n_seq_max = 1
+        ctx_params.n_seq_max = self.n_seq
+        ctx_params.kv_unified = True  # the sequences share the cells: a long one may take what others leave
         ctx_params.n_rs_seq = self.n_snapshots if n_snapshots is None else n_snapshots
         ctx_params.swa_full = True  # a sliding window's cache keeps every token, so a cut back stays exact
         ctx_params.n_threads = ctx_params.n_threads_batch = self.n_threads
@@ -202,8 +248,8 @@ class Model:
         self.n_batch = llama_cpp.llama_n_batch(self._ctx)  # llama.cpp caps it at n_ctx
         self.flash_attn = flash_attn
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self.tokens.clear()
-        self._checkpoint = None
+        self._sequences = [SequenceState() for _ in range(self.n_seq)]
+        self._now = self._sequences[self.seq]
 
     def set_flash_attn(self, flash_attn: bool) -> None:
         """Recreate the context with flash attention on or off (the cache starts empty)."""
@@ -241,10 +287,10 @@ class Model:
         self._make_context(64, min(n_batch, 64), False, n_snapshots=0)
         try:
             self.eval([0])
-            one = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
-            recurrent = llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, PARTIAL_ONLY)
+            one = llama_cpp.llama_state_seq_get_size(self._ctx, self.seq)
+            recurrent = llama_cpp.llama_state_seq_get_size_ext(self._ctx, self.seq, PARTIAL_ONLY)
             self.eval([0] * 8)
-            nine = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+            nine = llama_cpp.llama_state_seq_get_size(self._ctx, self.seq)
         finally:
             self._free_context()
         return StateSizes(per_token=max(nine - one, 0) // 8, recurrent=recurrent)
@@ -356,14 +402,14 @@ class Model:
         if next_pass is not None and next_pass - 1 <= self.n_snapshots:
             return
         if not self.tokens:  # the way back is the empty cache
-            self._checkpoint = None
+            self._now.checkpoint = None
             return
-        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, PARTIAL_ONLY)
-        old = self._checkpoint
+        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, self.seq, PARTIAL_ONLY)
+        old = self._now.checkpoint
         data = old.data if old is not None and len(old.data) == size else (ctypes.c_uint8 * size)()  # reused
-        if llama_cpp.llama_state_seq_get_data_ext(self._ctx, data, size, 0, PARTIAL_ONLY) != size:
+        if llama_cpp.llama_state_seq_get_data_ext(self._ctx, data, size, self.seq, PARTIAL_ONLY) != size:
             raise EdgespecError(f"llama.cpp could not save the recurrent state of {self.path.name}; use --no-draft")
-        self._checkpoint = Checkpoint(len(self.tokens), data)
+        self._now.checkpoint = Checkpoint(len(self.tokens), data)
 
     def truncate(self, n: int) -> None:
         """Drop cached tokens at positions >= n (on a recurrent model: cut back to a snapshot or
@@ -379,22 +425,23 @@ class Model:
         if n >= len(self.tokens):
             return len(self.tokens)
         if not self.recurrent:
-            if not llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1):
+            if not llama_cpp.llama_memory_seq_rm(self._memory, self.seq, n, -1):
                 raise EdgespecError(f"llama.cpp refused to cut the cache of {self.path.name}; report this as a bug")
             del self.tokens[n:]
             return n
         # a snapshot: only of the last pass (llama.cpp's other slots are stale), once per decode
-        in_last_pass = len(self.tokens) - n <= min(self.n_snapshots, self._last_pass - 1)
+        in_last_pass = len(self.tokens) - n <= min(self.n_snapshots, self._now.last_pass - 1)
         if (
             in_last_pass
+            and self._now.last_decode == self._decodes  # no other sequence's pass came after
             and 0 < n
-            and not self._snapshot_pending
-            and llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1)
+            and not self._now.snapshot_pending
+            and llama_cpp.llama_memory_seq_rm(self._memory, self.seq, n, -1)
         ):
-            self._snapshot_pending = True
+            self._now.snapshot_pending = True
             self._drop_from(n)
             return n
-        point = self._checkpoint
+        point = self._now.checkpoint
         if point is not None and point.n_tokens <= n and self._restore(point):
             return point.n_tokens
         self._clear()  # the empty cache is always exact
@@ -403,25 +450,26 @@ class Model:
     def _restore(self, point: Checkpoint) -> bool:
         """The recurrent state back at the checkpoint, the attention tail after it dropped."""
         size = len(point.data)
-        if llama_cpp.llama_state_seq_set_data_ext(self._ctx, point.data, size, 0, PARTIAL_ONLY) != size:
+        if llama_cpp.llama_state_seq_set_data_ext(self._ctx, point.data, size, self.seq, PARTIAL_ONLY) != size:
             return False
-        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, point.n_tokens, -1):
+        if not llama_cpp.llama_memory_seq_rm(self._memory, self.seq, point.n_tokens, -1):
             return False
-        self._snapshot_pending = False
+        self._now.snapshot_pending = False
         self._drop_from(point.n_tokens)
         return True
 
     def _drop_from(self, n: int) -> None:
         del self.tokens[n:]
-        if self._checkpoint is not None and self._checkpoint.n_tokens > n:
-            self._checkpoint = None
+        if self._now.checkpoint is not None and self._now.checkpoint.n_tokens > n:
+            self._now.checkpoint = None
 
     def _clear(self) -> None:
-        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, 0, -1):
+        if llama_cpp.llama_memory_seq_rm(self._memory, self.seq, 0, -1):
+            self._sequences[self.seq] = self._now = SequenceState(last_used=self._now.last_used)
+        else:  # llama.cpp refused: every sequence starts from nothing
             llama_cpp.llama_memory_clear(self._memory, True)
-        self.tokens.clear()
-        self._checkpoint = None
-        self._snapshot_pending = False
+            self._sequences = [SequenceState() for _ in range(self.n_seq)]
+            self._now = self._sequences[self.seq]
 
     def sync(self, tokens: list[int]) -> int:
         """Keep the longest cached prefix of `tokens` this context can cut back to, but never
@@ -439,21 +487,21 @@ class Model:
         return common_prefix(self.tokens, tokens, len(tokens) - 1)  # called every round: compared in C
 
     def cached(self, tokens: Sequence[int]) -> int:
-        """How many of `tokens` the caches hold: the live one, or a saved state (see prompt_cache.py)."""
+        """How many of `tokens` the caches hold: a live sequence, or a saved state (see prompt_cache.py)."""
         tokens = list(tokens)
         saved = self.prompt_cache.reusable(self, tokens) if self.prompt_cache is not None else 0
-        return max(common_prefix(self.tokens, tokens, len(tokens)), saved)
+        return max(max(common_prefix(s.tokens, tokens, len(tokens)) for s in self._sequences), saved)
 
     def save_state(self):
-        """The cache's contents (sequence 0) as llama.cpp serializes them, or None."""
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+        """The cache's contents (the sequence in use) as llama.cpp serializes them, or None."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, self.seq)
         data = (ctypes.c_uint8 * size)()
-        return data if llama_cpp.llama_state_seq_get_data(self._ctx, data, size, 0) == size else None
+        return data if llama_cpp.llama_state_seq_get_data(self._ctx, data, size, self.seq) == size else None
 
     def restore_state(self, tokens: list[int], data) -> bool:
         """Load a state from save_state() that holds `tokens`; False (cache empty) if llama.cpp refuses it."""
         self._clear()
-        if llama_cpp.llama_state_seq_set_data(self._ctx, data, len(data), 0) != len(data):
+        if llama_cpp.llama_state_seq_set_data(self._ctx, data, len(data), self.seq) != len(data):
             self._clear()
             return False
         self.tokens[:] = tokens
@@ -469,6 +517,7 @@ class Model:
             return None
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise ContextFull(self.n_ctx)
+        self._make_room(len(tokens))
         last_chunk = len(tokens) - (len(tokens) - 1) // self.n_batch * self.n_batch  # (earlier chunks' rows are gone)
         if rows is not None and not 0 < rows <= last_chunk:
             raise ValueError(f"rows must be 1..{last_chunk} for {len(tokens)} tokens, got {rows}")
@@ -481,11 +530,11 @@ class Model:
                 batch.token[i] = token
                 batch.pos[i] = pos0 + i
                 batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
+                batch.seq_id[i][0] = self.seq
                 batch.logits[i] = start + i >= first_row
             batch.n_tokens = len(chunk)
             status = llama_cpp.llama_decode(self._ctx, batch)
-            self._snapshot_pending = False
+            self._now.snapshot_pending = False
             if status != 0:
                 self._clear()  # what llama.cpp kept of a failed pass is not known: start again from nothing
                 if status == 1:  # no room for the batch in the cache
@@ -494,12 +543,28 @@ class Model:
                     f"llama.cpp failed to evaluate {len(chunk)} tokens with {self.path.name} (status {status});"
                     " rerun with EDGESPEC_VERBOSE=1 to see llama.cpp's reason"
                 )
-            self._last_pass = len(chunk)
+            self._decodes += 1
+            self._now.last_pass, self._now.last_decode = len(chunk), self._decodes
             self.tokens.extend(chunk)
         if rows is not None:
             ptr = llama_cpp.llama_get_logits(self._ctx)
             return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
+
+    def _make_room(self, n: int) -> None:
+        """Cells for n more tokens of this sequence: the sequences no request holds give theirs
+        up, least recently used first (their states kept in the prompt cache, where there is one)."""
+        if self.cells_used + n <= self.n_ctx:
+            return
+        others = [i for i in range(self.n_seq) if i != self.seq and i not in self.busy and self._sequences[i].tokens]
+        others.sort(key=lambda i: self._sequences[i].last_used)
+        current = self.seq
+        while others and self.cells_used + n > self.n_ctx:
+            self.use(others.pop(0))
+            if self.prompt_cache is not None and len(self.tokens) >= MIN_TOKENS:
+                self.prompt_cache.keep(self)
+            self._clear()
+        self.use(current)
 
     # --- lifetime ---------------------------------------------------------
     def _free_context(self) -> None:

@@ -2,7 +2,7 @@
 assistant's edit chat and its commit-message requests, an agent's tool loop, two editor
 windows) each pay only for their new part.
 
-A model's context holds one sequence. When a prompt would throw away MIN_TOKENS or more
+A sequence of a model's context holds one prompt. When a prompt would throw away MIN_TOKENS or more
 of it, that state is copied out first (llama_state_seq_get_data, into RAM); when a
 prompt shares a longer prefix with a saved state than with the live cache (by
 MIN_RESTORED tokens), that state is copied back in (llama_state_seq_set_data). Idle work
@@ -132,8 +132,10 @@ class PromptCache:
         """Write the saved states, each model's live one first among them, to disk (most recent
         first, within the budget), replacing what the models' folders held. Returns bytes kept."""
         for model in models:
-            if len(model.tokens) >= MIN_TOKENS:
-                self.keep(model)
+            for seq in range(model.n_seq):
+                model.use(seq)
+                if len(model.tokens) >= MIN_TOKENS:
+                    self.keep(model)
         folders = {id(model): state_folder(model) for model in models}
         kept: dict[Path, set[str]] = {folder: set() for folder in folders.values()}
         total, stamp = 0, time.time()

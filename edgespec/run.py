@@ -20,6 +20,7 @@ from .model import ContextFull, Model
 from .modes import DraftMode
 from .request import Request
 from .sampling import Constraint, Law, SamplingParams, law, position_uniforms, verify, verify_greedy
+from .sequences import Sequences
 from .stats import RoundTiming, Stats, trailing_repeat
 from .text import TextStream
 
@@ -60,6 +61,7 @@ class Run:
         prompt: list[int],
         controller: Controller,
         constraint: Constraint | None,
+        sequences: Sequences,
         cancelled: threading.Event | None = None,
         *,
         healed: bytes = b"",
@@ -67,13 +69,15 @@ class Run:
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         """request: with the engine's defaults settled (Request.settled); prompt: its tokens;
-        constraint: what the answer is held to (its grammar, or its token healing); healed: the
+        constraint: what the answer is held to (its grammar, or its token healing); sequences: the
+        models' sequences, of which the run holds one from its first pass to its end; healed: the
         bytes taken back from the prompt, which the answer begins with and does not return (see
         healing.py); layout: a fill-in-the-middle prompt's parts; prefill_chunk: prompt tokens
         a prefill pass reads; cancelled: set from another thread (a client gone) to stop the
         run early."""
         self.target, self.request, self.controller, self.constraint = target, request, controller, constraint
         self.cancelled, self.layout, self.prefill_chunk = cancelled, layout, prefill_chunk
+        self.sequences, self.sequence = sequences, None  # which one it holds: from its first pass on
         self.params: SamplingParams = request.sampling
         self.prompt = prompt
         self.seq = list(prompt)  # prompt + output; the target's cache holds seq[:-1] (or less, see rounds)
@@ -108,12 +112,20 @@ class Run:
     def steps(self) -> Iterator[Event | None]:
         """events(), with a None after each prefill pass: idle work is taken a pass at a time."""
         stats, start = self.stats, perf_counter()
-        prefilled = yield from self._prefill()
-        stats.prefill_s = perf_counter() - start
-        if prefilled:
-            yield from self._answer()
+        self.sequence = self.sequences.hold(self.prompt)
+        try:
+            prefilled = yield from self._prefill()
+            stats.prefill_s = perf_counter() - start
+            if prefilled:
+                yield from self._answer()
+        finally:  # ended, or closed by its owner (a client gone, idle work interrupted)
+            self.sequences.release(self.sequence)
         stats.repeated_tokens, stats.repeat_period = trailing_repeat(self.seq[len(self.prompt) :])
         yield Event(self.text.flush(), None, None, self.stats)
+
+    def enter(self) -> None:
+        """Before each pass: the models work on this run's sequence (see sequences.py)."""
+        self.sequences.enter(self.sequence)
 
     def _prefill(self) -> Iterator[None]:
         """The prompt into the caches, a None after each pass; returns False where cancelled on the
@@ -121,21 +133,24 @@ class Run:
         is read prefill_chunk tokens a pass, so that a client who left (an editor's user typing on)
         waits for one pass at most, and the next request finds what was read so far in the cache."""
         target, prompt, scored = self.target, self.prompt, self.request.prompt_logprobs
+        self.sequences.enter(self.sequence)
         # scored, every prompt token's row is needed: none of them comes from the cache
         self.stats.n_prompt_cached = target.cut(0) if scored else target.sync(prompt)
         if scored:  # nothing comes before the first token to score it
             self.prompt_logprobs = [TokenLogprob(prompt[0], target.piece(prompt[0]), None)]
-        for at in range(self.stats.n_prompt_cached, len(prompt) - 1, self.prefill_chunk):
+        while True:
             if self._cancelled():
                 return False
+            self.enter()
+            at = len(target.tokens)
+            if at >= len(prompt) - 1:
+                break
             chunk = prompt[at : min(at + self.prefill_chunk, len(prompt) - 1)]
             logits = target.eval(chunk, rows=len(chunk) if scored else None)
             if scored:  # the row of prompt[i] scores prompt[i + 1]
                 following = prompt[at + 1 : at + len(chunk) + 1]
                 self.prompt_logprobs += token_logprobs(logits, following, self.request.logprobs or 0, target.piece)
             yield None
-        if self._cancelled():
-            return False
         self.controller.begin(prompt, room=min(target.n_ctx, self.limit - 1) - len(prompt))
         return True
 
@@ -188,6 +203,7 @@ class Run:
         here) the target's law at every row is the constrained one (p_g). Raises ContextFull."""
         target, controller, params, seq = self.target, self.controller, self.params, self.seq
         while True:
+            self.enter()
             constraint = self.constraint
             if constraint is not None and constraint.done:  # a healed answer has written what it owed
                 constraint = self.constraint = None

@@ -2,9 +2,10 @@
 OpenAI's Responses API and llama-server's /completion and /infill (editors' code
 completion) over one Engine.
 
-One worker thread owns the engine and runs requests one at a time, in arrival order
-(llama.cpp contexts are not shared between threads; the KV cache of the prefix that
-consecutive requests share is reused by the engine). The event loop only reads,
+One worker thread owns the engine (llama.cpp contexts are not shared between threads) and
+answers up to --parallel requests at once, a pass of each in turn, each in a sequence of its
+own (engine_thread.py, sequences.py); the KV cache of the prefix that consecutive requests
+share is reused by the engine. The event loop only reads,
 validates and streams. Each API is a Dialect (answers.py): a translation of its request
 onto the one Request type, and its shapes for the answer; the engine path behind them is
 the same. Every answer carries its API's usage and a `speculative` object with what
@@ -20,7 +21,7 @@ import asyncio
 import hmac
 import json
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
 from time import perf_counter
@@ -35,6 +36,7 @@ from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, log_a
 from .engine import Engine
 from .engine_thread import EngineThread
 from .errors import EdgespecError, PromptExceedsContext
+from .fim import Infill
 from .llama_api import LlamaServer
 from .metrics import Metrics, ServerLoad
 from .openai_api import OpenAIChat
@@ -49,15 +51,14 @@ KEEPALIVE_S = 15.0  # a stream silent this long gets a keep-alive
 
 
 class Worker:
-    """Owns the engine on its EngineThread: loads it, runs jobs one at a time in the
-    order they came, and closes it."""
+    """Owns the engine on its EngineThread: loads it, answers up to `parallel` jobs at once
+    (editors' completions first; the rest in the order they came), and closes it."""
 
-    def __init__(self, load: Callable[[], Engine]) -> None:
+    def __init__(self, load: Callable[[], Engine], parallel: int = 1) -> None:
         self.engine: Engine | None = None
         self._unfinished: set[Job] = set()  # submitted, not yet answered: told to stop on stop()
-        self._running: Job | None = None
         self.metrics = Metrics()
-        self.thread = EngineThread()
+        self.thread = EngineThread(parallel=parallel)
         self._loading = self.thread.submit(self._load, load)
 
     def _load(self, load: Callable[[], Engine]) -> Engine:
@@ -74,7 +75,7 @@ class Worker:
     def submit(self, job: Job) -> None:
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self._unfinished.add(job)
-        self.thread.submit(self._serve, job)
+        self.thread.start(self._serve, job, interactive=isinstance(job.request.prompt, Infill))
 
     def stop(self) -> None:
         """Cancel what runs and what waits (each ends at its next round), close the engine,
@@ -90,36 +91,35 @@ class Worker:
             self.engine.close()
             self.engine = self.thread.engine = None
 
-    def _serve(self, job: Job) -> None:
-        self._running = job
+    def _serve(self, job: Job) -> Iterator[None]:
+        """The job's answers, a step at a time (an EngineThread task)."""
         try:
             if job.cancelled.is_set():  # a client that left while queued costs nothing
                 job.send(None)
             else:
-                self._generate(job)
+                yield from self._generate(job)
         finally:
             self._unfinished.discard(job)
-            self._running = None
 
     def load(self) -> ServerLoad:
         """Requests running and waiting, and the target's cache, now (read from any thread)."""
-        running = int(self._running is not None)
+        running, waiting = self.thread.load
         target = self.engine.target
-        return ServerLoad(running, len(self._unfinished) - running, len(target.tokens), target.n_ctx)
+        return ServerLoad(running, waiting, target.cells_used, target.n_ctx)
 
-    def _generate(self, job: Job) -> None:
+    def _generate(self, job: Job) -> Iterator[None]:
         previous, start = "", perf_counter()
         for index in range(job.count):
             if index and job.cancelled.is_set():
                 job.send(None)  # whoever waits for the next answer hears there is none
                 return
-            previous = self._answer(job, job.request.answer(index, previous, perf_counter() - start))
+            previous = yield from self._answer(job, job.request.answer(index, previous, perf_counter() - start))
             if previous is None:
                 return
 
-    def _answer(self, job: Job, request: Request) -> str | None:
-        """One answer of the job: its Stats, its events, then None; the answer's text, or None
-        where it failed (an ApiError sent instead)."""
+    def _answer(self, job: Job, request: Request) -> Iterator[None]:
+        """One answer of the job, a step at a time: its Run, its events, then None; returns the
+        answer's text, or None where it failed (an ApiError sent instead)."""
         try:
             run = self.engine.start(request, cancelled=job.cancelled)
         except PromptExceedsContext as e:
@@ -130,11 +130,13 @@ class Worker:
             return None
         job.send(run)  # the request is good: its answer may begin before the prefill
         text = []
-        events = self.engine.events(run)  # a cancelled run ends at its next prefill chunk or round
+        steps = self.engine.steps(run)  # a cancelled run ends at its next prefill chunk or round
         try:
-            for event in events:
-                job.send(event)
-                text.append(event.text)
+            for event in steps:
+                if event is not None:
+                    job.send(event)
+                    text.append(event.text)
+                yield
         except EdgespecError as e:  # the request's grammar stopped working (see grammar.py)
             job.send(ApiError(400, str(e)))
             return None
@@ -143,7 +145,7 @@ class Worker:
             job.send(ApiError(500, f"generation failed ({type(e).__name__})"))
             return None
         finally:
-            events.close()
+            steps.close()
         log_answer(run.stats)  # here, not where it is read: an answer whose client left is logged too
         self.metrics.add(run.stats)
         job.send(None)

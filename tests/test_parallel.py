@@ -1,0 +1,100 @@
+"""Several requests at once: each run in a sequence of its own in both models' contexts, the
+runs taken a step at a time in turn (as the server's EngineThread takes them); each answer is
+Llama's alone."""
+
+import re
+
+import httpx
+import pytest
+from reference import assert_greedy_as_llama
+from test_server import HELLO, Server
+
+from edgespec import EdgespecError, Engine
+from edgespec.drafters import ModelDrafter
+from edgespec.model import Model
+
+CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def twin_engine(smollm2_path, requantized_path):
+    """SmolLM2 drafted by its re-quantization, two sequences in each context."""
+    target = Model(smollm2_path, n_ctx=CTX, flash_attn=True, n_seq=2)
+    draft = Model(requantized_path, n_ctx=CTX, n_seq=2)
+    with Engine(target, ModelDrafter(draft, target.n_vocab), gamma=4, draft_mode="model", owned=[target, draft]) as e:
+        yield e
+
+
+def in_turns(engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Greedy answers to raw prompts, their runs stepped in turn until all end: their tokens."""
+    running = {
+        i: engine.steps(engine.start(p, raw=True, temperature=0, max_tokens=max_tokens)) for i, p in enumerate(prompts)
+    }
+    answers: list[list[int]] = [[] for _ in prompts]
+    while running:
+        for i, steps in list(running.items()):
+            event = next(steps)
+            if event is None:  # a prefill pass
+                continue
+            if event.done:
+                del running[i]
+            else:
+                answers[i].append(event.token)
+    return answers
+
+
+def test_two_answers_taken_in_turns_are_each_llamas(twin_engine):
+    prompts = ["The capital of France is", "def fibonacci(n):\n"]
+    answers = in_turns(twin_engine, prompts, 24)
+    for prompt, tokens in zip(prompts, answers, strict=True):
+        assert_greedy_as_llama(f"in turns: {prompt!r}", twin_engine, prompt, tokens, raw=True, limit=24)
+    assert not twin_engine.sequences.held  # each run gave its sequence back
+
+
+def test_a_run_beyond_the_sequences_is_refused_until_one_ends(twin_engine):
+    streams = [twin_engine.stream(p, raw=True, max_tokens=8) for p in ("One", "Two", "Three")]
+    next(streams[0]), next(streams[1])
+    with pytest.raises(EdgespecError, match="parallel=3"):
+        next(streams[2])
+    streams[0].close()  # a closed stream gives its sequence back
+    third = twin_engine.stream("Three", raw=True, max_tokens=8)
+    assert next(third).token is not None
+    third.close(), streams[1].close()
+    assert not twin_engine.sequences.held
+
+
+def test_a_long_prompt_takes_the_cells_of_an_idle_sequence(twin_engine):
+    """Two 600-token prompts do not fit a 1,024-token context together: the second's sequence takes
+    the first's cells (it is no request's now), and its answer is still Llama's."""
+    target = twin_engine.target
+    first = " ".join(f"apple{i}" for i in range(200))
+    second = " ".join(f"pear{i}" for i in range(200))
+    assert all(600 < len(target.tokenize(t)) < CTX - 64 for t in (first, second))
+    twin_engine.generate(first, raw=True, temperature=0, max_tokens=4)
+    answer = twin_engine.generate(second, raw=True, temperature=0, max_tokens=16)
+    assert_greedy_as_llama("after an eviction", twin_engine, second, answer.tokens, raw=True, limit=16)
+    assert target.cells_used <= target.n_ctx
+    assert sorted(len(target.sequence_tokens(s)) for s in range(2))[0] == 0  # the first's cells were given up
+
+
+def test_a_short_chat_is_answered_while_a_long_one_streams():
+    """With --parallel 2 a request's wait does not depend on the length of another's answer, and
+    /metrics counts both as processing."""
+    server = Server("--parallel", "2", "--metrics")
+    try:
+        story = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 400}
+        story |= {"stream": True, "temperature": 0}
+        with httpx.stream("POST", server.url + "/chat/completions", json=story, timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # the story has begun
+            metrics = httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=60).text
+            reply = server.client().chat.completions.create(model="m", messages=HELLO, temperature=0, max_tokens=8)
+            after = [line for line in lines if line.startswith("data: ")]
+        assert reply.choices[0].message.content and len(after) > 8  # the story went on after the reply
+        processing = re.search(r"^llamacpp:requests_processing (\S+)", metrics, re.M)
+        assert processing is not None and float(processing.group(1)) == 1
+        answered = [line for line in server.lines if "answered:" in line]
+        short = reply.usage.completion_tokens
+        assert len(answered) == 2 and re.search(rf"\d+\+{short} tokens", answered[0]), answered  # it ended first
+    finally:
+        assert server.stop() == 0
