@@ -100,7 +100,7 @@ def test_every_cut_is_exact(engines, arch):
     model.eval(PROMPT[:6])
     model.eval(PROMPT[6:9])  # one pass of 3, cut back by 2
     model.truncate(7)
-    assert model._snapshot_pending == (EXPECTED[arch] is Rollback.SNAPSHOTS)  # the snapshot was used
+    assert model._now.snapshot_pending == (EXPECTED[arch] is Rollback.SNAPSHOTS)  # the snapshot was used
     check(7)
 
     model.truncate(0)
