@@ -255,7 +255,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     drafted = f" drafted by {draft}" if engine.drafter else ""
     context = f"context {engine.target.n_ctx} tokens (trained {engine.target.n_ctx_train})"
     if args.parallel > 1:
-        context += f", shared by up to {args.parallel} requests answered at once"
+        cache_mib = sum(m.kv_bytes_per_token * m.n_ctx * m.n_seq for m in engine.models) >> 20
+        context += f" for each of up to {args.parallel} requests answered at once (KV caches ~{cache_mib} MiB)"
     print(f"edgespec serve: {target}{drafted}, {context}", file=sys.stderr)
     print(f"  OpenAI API at {url} (chat completions, completions, responses; Ctrl+C stops)", file=sys.stderr)
     print(
@@ -374,8 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_PARALLEL,
         metavar="N",
-        help=f"requests answered at once (default {DEFAULT_PARALLEL}, as llama-server); they share the context,"
-        " editors' completions go first, and the rest wait their turn",
+        help=f"requests answered at once (default {DEFAULT_PARALLEL}, as llama-server), each with a whole --ctx"
+        " of its own (N times the KV memory); editors' completions go first, and the rest wait their turn",
     )
     v.add_argument(
         "--max-tokens",

@@ -1,8 +1,8 @@
 """A thin layer over llama.cpp's low-level API: one model, one context, its sequences.
 
 `Model.tokens` always equals what the cache holds in the sequence in use (`use()`: a
-context holds one per request answered at once), so callers reason about the cache
-as a token list: `sync()` keeps the longest common prefix with a new sequence,
+context holds one per request answered at once, each with n_ctx cells of its own), so
+callers reason about the cache as a token list: `sync()` keeps the longest common prefix with a new sequence,
 `eval()` appends, `truncate()` drops the tail, exactly, whatever the architecture.
 
 Attention caches keep one entry per token, so any tail can be dropped
@@ -116,7 +116,7 @@ class SequenceState:
     last_pass: int = 0  # tokens in its last llama_decode: llama.cpp's snapshots cover only that pass
     last_decode: int = 0  # which of the context's decodes that was (the snapshots are the last decode's)
     snapshot_pending: bool = False  # a snapshot rollback is used once, by the next decode
-    last_used: int = 0  # when use() last chose it (the least recently used gives its cells up first)
+    last_used: int = 0  # when use() last chose it (of the free ones, the least recently used is taken first)
 
 
 _uses = itertools.count(1)
@@ -158,8 +158,11 @@ class Model:
         llama.cpp's snapshots (fewer if they would take more than SNAPSHOT_MEMORY_SHARE of
         memory; 0 where the architecture has none or they fail the probe); a draft model,
         which decodes one token a pass, has no use for them.
-        n_seq: sequences the context holds (one per request answered at once, see use()); they
-        share its n_ctx cells (llama.cpp's unified KV cache: each may grow to n_ctx alone)."""
+        n_seq: sequences the context holds (one per request answered at once, see use()), each
+        with n_ctx cells of its own: llama.cpp's unified cache, where they share cells, computes
+        other logits for a sequence once its neighbours' cells lie among its own (measured: up
+        to 1.4 apart on SmolLM2-135M, with and without flash attention; llama.cpp issue 24962),
+        and an answer's law must not depend on what runs beside it."""
         self.path = check_gguf(path)
         self._model = self._ctx = self._batch = None
         self.n_threads = n_threads or os.cpu_count() or 1
@@ -176,7 +179,6 @@ class Model:
         self.n_seq, self.seq = n_seq, 0  # seq: the sequence eval(), cut(), sync() work on (see use())
         self._sequences = [SequenceState() for _ in range(n_seq)]
         self._now = self._sequences[0]
-        self.busy: set[int] = set()  # sequences that requests hold: never dropped to make room for another
         self._decodes = 0  # llama_decode calls so far, of all sequences
         self.prompt_cache: PromptCache | None = None  # saved states of other prompts (see prompt_cache.py)
         self.recurrent = bool(
@@ -211,7 +213,7 @@ class Model:
 
     @property
     def cells_used(self) -> int:
-        """Tokens all sequences hold (the context's n_ctx cells are theirs to share)."""
+        """Tokens all sequences hold (of their n_seq * n_ctx cells)."""
         return sum(len(s.tokens) for s in self._sequences)
 
     def last_used(self, seq: int) -> int:
@@ -226,10 +228,10 @@ class Model:
 
     def _make_context(self, n_ctx: int, n_batch: int, flash_attn: bool, *, n_snapshots: int | None = None) -> None:
         ctx_params = llama_cpp.llama_context_default_params()
-        ctx_params.n_ctx = n_ctx
+        ctx_params.n_ctx = n_ctx * self.n_seq  # llama.cpp gives each sequence an equal share
         ctx_params.n_batch = ctx_params.n_ubatch = n_batch
         ctx_params.n_seq_max = self.n_seq
-        ctx_params.kv_unified = True  # the sequences share the cells: a long one may take what others leave
+        ctx_params.kv_unified = self.n_seq == 1  # else each sequence its own cells (see __init__)
         ctx_params.n_rs_seq = self.n_snapshots if n_snapshots is None else n_snapshots
         ctx_params.swa_full = True  # a sliding window's cache keeps every token, so a cut back stays exact
         ctx_params.n_threads = ctx_params.n_threads_batch = self.n_threads
@@ -244,7 +246,7 @@ class Model:
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         if n_snapshots is None and self.n_snapshots:  # llama.cpp keeps none for architectures without them
             self.n_snapshots = min(self.n_snapshots, llama_cpp.llama_n_rs_seq(self._ctx))
-        self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_ctx = llama_cpp.llama_n_ctx_seq(self._ctx)  # a sequence's (llama.cpp rounds it up to 256)
         self.n_batch = llama_cpp.llama_n_batch(self._ctx)  # llama.cpp caps it at n_ctx
         self.flash_attn = flash_attn
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
@@ -273,12 +275,13 @@ class Model:
         return 2 * 2 * llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * head_dim
 
     def default_context(self, memory_share: float = KV_MEMORY_SHARE, bytes_per_token: int | None = None) -> int:
-        """The trained context, capped so that the KV cache fits memory_share of this machine's memory
-        (a purely recurrent model keeps nothing per token: its context is only a position limit)."""
+        """The trained context, capped so that the KV cache (of all n_seq sequences) fits memory_share
+        of this machine's memory (a purely recurrent model keeps nothing per token: its context is
+        only a position limit)."""
         per_token = self.kv_bytes_per_token if bytes_per_token is None else bytes_per_token
         if per_token <= 0:
             return self.n_ctx_train
-        fits = int(memory_share * physical_memory() / per_token) // 256 * 256
+        fits = int(memory_share * physical_memory() / (per_token * self.n_seq)) // 256 * 256
         return max(min(self.n_ctx_train, fits), min(MIN_DEFAULT_CTX, self.n_ctx_train))
 
     def _state_sizes(self, n_batch: int) -> StateSizes:
@@ -517,7 +520,6 @@ class Model:
             return None
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise ContextFull(self.n_ctx)
-        self._make_room(len(tokens))
         last_chunk = len(tokens) - (len(tokens) - 1) // self.n_batch * self.n_batch  # (earlier chunks' rows are gone)
         if rows is not None and not 0 < rows <= last_chunk:
             raise ValueError(f"rows must be 1..{last_chunk} for {len(tokens)} tokens, got {rows}")
@@ -550,21 +552,6 @@ class Model:
             ptr = llama_cpp.llama_get_logits(self._ctx)
             return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
-
-    def _make_room(self, n: int) -> None:
-        """Cells for n more tokens of this sequence: the sequences no request holds give theirs
-        up, least recently used first (their states kept in the prompt cache, where there is one)."""
-        if self.cells_used + n <= self.n_ctx:
-            return
-        others = [i for i in range(self.n_seq) if i != self.seq and i not in self.busy and self._sequences[i].tokens]
-        others.sort(key=lambda i: self._sequences[i].last_used)
-        current = self.seq
-        while others and self.cells_used + n > self.n_ctx:
-            self.use(others.pop(0))
-            if self.prompt_cache is not None and len(self.tokens) >= MIN_TOKENS:
-                self.prompt_cache.keep(self)
-            self._clear()
-        self.use(current)
 
     # --- lifetime ---------------------------------------------------------
     def _free_context(self) -> None:

@@ -22,8 +22,6 @@ class Sequences:
     def __init__(self, models: Sequence[Model]) -> None:
         self.models = list(models)
         self.held: set[int] = set()
-        for model in self.models:
-            model.busy = self.held  # a held sequence never gives its cells up to another's prompt
 
     @property
     def count(self) -> int:

@@ -6,7 +6,8 @@ import re
 
 import httpx
 import pytest
-from reference import assert_greedy_as_llama
+import numpy as np
+from reference import assert_greedy_as_llama, reference_for
 from test_server import HELLO, Server
 
 from edgespec import EdgespecError, Engine
@@ -63,18 +64,45 @@ def test_a_run_beyond_the_sequences_is_refused_until_one_ends(twin_engine):
     assert not twin_engine.sequences.held
 
 
-def test_a_long_prompt_takes_the_cells_of_an_idle_sequence(twin_engine):
-    """Two 600-token prompts do not fit a 1,024-token context together: the second's sequence takes
-    the first's cells (it is no request's now), and its answer is still Llama's."""
+def test_each_sequence_has_a_whole_context_and_its_answers_stay_llamas(twin_engine):
+    """Two 600-token prompts each keep their whole cache (a sequence has n_ctx cells of its own),
+    and answers read beside them, in passes of more than 32 tokens and after a cut back, are
+    Llama's (llama.cpp's unified cache, where sequences share cells, moves them by up to 1.4)."""
     target = twin_engine.target
     first = " ".join(f"apple{i}" for i in range(200))
     second = " ".join(f"pear{i}" for i in range(200))
     assert all(600 < len(target.tokenize(t)) < CTX - 64 for t in (first, second))
-    twin_engine.generate(first, raw=True, temperature=0, max_tokens=4)
-    answer = twin_engine.generate(second, raw=True, temperature=0, max_tokens=16)
-    assert_greedy_as_llama("after an eviction", twin_engine, second, answer.tokens, raw=True, limit=16)
-    assert target.cells_used <= target.n_ctx
-    assert sorted(len(target.sequence_tokens(s)) for s in range(2))[0] == 0  # the first's cells were given up
+    in_turns(twin_engine, [first, second], 4)
+    assert min(len(target.sequence_tokens(s)) for s in range(2)) > 600
+    prompts = [first[:300] + " banana cherry plum", "A list of forty fruits, one per line, in alphabetical order:\n"]
+    assert len(target.tokenize(prompts[1])) < 32 < len(target.tokenize(prompts[0]))
+    for prompt, tokens in zip(prompts, in_turns(twin_engine, prompts, 16), strict=True):
+        assert_greedy_as_llama(f"beside a neighbour: {prompt[-20:]!r}", twin_engine, prompt, tokens, raw=True, limit=16)
+
+
+def test_a_sequences_logits_do_not_depend_on_its_neighbours(twin_engine):
+    """Passes of 51 tokens in both sequences, one cut back and read on: each sequence's next
+    logits are Llama's on its tokens alone, as read in the same passes."""
+    target, llm = twin_engine.target, reference_for(twin_engine.target).llm
+    rng = np.random.default_rng(0)
+    shared = [int(t) for t in rng.integers(100, 1000, 24)]
+    reads = {seq: [shared + [int(t) for t in rng.integers(100, 1000, 27)]] for seq in (0, 1)}
+    for seq in (0, 1):
+        target.use(seq)
+        target.truncate(0)
+        target.eval(reads[seq][0])
+    target.use(0)
+    target.cut(24)
+    reads[0] = [shared, [int(t) for t in rng.integers(100, 1000, 13)]]
+    target.eval(reads[0][1])
+    for seq in (0, 1):
+        target.use(seq)
+        ours = np.array(target.eval([1]))
+        llm.reset()
+        for tokens in [*reads[seq], [1]]:
+            llm.eval(tokens)
+        assert np.abs(ours - llm.scores[llm.n_tokens - 1]).max() < 1e-3, f"sequence {seq} reads its neighbour's cells"
+        target.truncate(0)
 
 
 def test_a_short_chat_is_answered_while_a_long_one_streams():
