@@ -20,7 +20,7 @@ from time import perf_counter
 
 import numpy as np
 
-from . import calibration, fim_bench, round_bench
+from . import calibration, concurrent_bench, fim_bench, round_bench
 from .engine import Engine
 from .errors import EdgespecError
 from .kernels import plain_llama
@@ -66,7 +66,7 @@ def load_prompts() -> list[dict]:
 
 def check_selection(modes: Sequence[str], prompts: Sequence[str] | None) -> None:
     """Refuse unknown mode or prompt-class names (before any model is loaded)."""
-    classes = [p["name"] for p in load_prompts()] + [fim_bench.NAME, round_bench.NAME]
+    classes = [p["name"] for p in load_prompts()] + [fim_bench.NAME, round_bench.NAME, concurrent_bench.NAME]
     for name in modes:
         if name not in MODES:
             raise EdgespecError(f"unknown bench mode '{name}'; use some of {', '.join(MODES)}")
@@ -88,11 +88,13 @@ def run_bench(
 ) -> dict:
     """modes: which of MODES to run ("off", the baseline, always runs); prompts: which
     classes (default: all; fill-in-the-middle where the target has the tokens for it; the
-    Python per round, round_bench, only when named)."""
+    Python per round, round_bench, and requests at once, concurrent_bench, only when named)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     check_selection(modes, prompts)
     if fim_bench.NAME in (prompts or ()):
         engine.fim_tokens()  # a target without them is told so before any calibration
+    if concurrent_bench.NAME in (prompts or ()):
+        concurrent_bench.check_engine(engine)
     modes = [m for m in MODES if m is DraftMode.OFF or (m in modes and m in engine.draft_modes)]
     if llama_baseline:
         modes.append("llama")
@@ -126,6 +128,9 @@ def run_bench(
     if fim_bench.NAME in (prompts or ()) or (not prompts and not engine.target.fim.missing()):
         fim = fim_bench.run_fim(engine, [m for m in modes if m != "llama"], repeats, log)
     rounds = round_bench.run_rounds(engine, repeats, log) if round_bench.NAME in (prompts or ()) else None
+    concurrent = None
+    if concurrent_bench.NAME in (prompts or ()):
+        concurrent = concurrent_bench.run_concurrent(engine, [m for m in modes if m != "llama"], repeats, max_tokens, log)
     return {
         "target": engine.target.path.name,
         "draft": draft_model.path.name if draft_model else None,
@@ -143,6 +148,7 @@ def run_bench(
         "prompts": rows,
         "fim": fim,
         "rounds": rounds,
+        "concurrent": concurrent,
     }
 
 
@@ -334,3 +340,5 @@ def print_report(report: dict) -> None:
         fim_bench.print_rows(report["fim"])
     if report["rounds"]:
         round_bench.print_rows(report["rounds"])
+    if report["concurrent"]:
+        concurrent_bench.print_rows(report["concurrent"])

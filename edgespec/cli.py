@@ -415,7 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--prompts",
         help="comma-separated prompt classes (default: all; 'rounds', the Python a round costs beside the"
-        " passes, only when named)",
+        " passes, and 'concurrent', requests at once, only when named)",
+    )
+    b.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests the engine answers at once (default 1; the 'concurrent' class needs 2, and 4 for 4 chats)",
     )
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     b.set_defaults(func=cmd_bench)

@@ -4,6 +4,10 @@ expected tokens per second, or no draft at all.
     rate(drafter, γ) = E[n](α, γ) / (draft_cost(γ) + V(γ+1) + R(γ, α)),  E[n] = (1 - α^(γ+1)) / (1 - α)
     rate(off)        = 1 / V(1)
 
+Beside other requests' passes (a server's batch: b of them), V(γ+1) is the whole decode with
+them in it and the rate is the batch's, (E[n] + b) / seconds: a draft has to pay for the time
+it adds to every neighbour's step.
+
 The costs are the request's RoundCosts (costs.py): V(k), one target pass over k tokens,
 the draft cost, γ draft-model steps (a copy costs nothing), R, what cutting back a
 recurrent state costs (0 for attention alone), each kind of round as it has really been
@@ -236,12 +240,15 @@ class Controller:
         # with the tokens its alignment has held for)
         gammas = [g for g in gammas if g <= SLOW_START + 4 * max(acceptance.accepted, evidence)] or [min(gammas)]
         alpha = acceptance.alpha
-        expected, gamma = max((expected_tokens(alpha, g) / costs.expected(source, g, alpha), g) for g in gammas)
+
+        def batch_rate(a: float, g: int) -> float:  # the batch's tokens per second (see the module docstring)
+            return (expected_tokens(a, g) + costs.tokens_beside) / costs.expected(source, g, a)
+
+        best, gamma = max((batch_rate(alpha, g), g) for g in gammas)
+        expected = expected_tokens(alpha, gamma) / costs.expected(source, gamma, alpha)  # this request's own
         if rng is None:  # a copy needs no exploring: its evidence grows for free while the target agrees
-            return Plan(expected, source, gamma, key=key, alpha=alpha)
-        drawn = acceptance.sample(rng)
-        rate = expected_tokens(drawn, gamma) / costs.expected(source, gamma, drawn)
-        return Plan(rate, source, gamma, key=key, expected_rate=expected, alpha=alpha)
+            return Plan(best, source, gamma, key=key, expected_rate=expected, alpha=alpha)
+        return Plan(batch_rate(acceptance.sample(rng), gamma), source, gamma, key=key, expected_rate=expected, alpha=alpha)
 
     def _free_plan(self, draft: Draft, key: AcceptanceKey, evidence: int, cut_short: bool) -> Plan:
         """The plan for a free draft (a copy, forced text): as much of it as is worth verifying."""
@@ -262,8 +269,9 @@ class Controller:
         fixed = self.gamma.fixed
         candidates = []
         if self.adaptive:
-            off_rate = 1.0 / self.costs.plain_step()
-            candidates.append(Plan((1 + MIN_GAIN) * off_rate, Source.OFF, 0, expected_rate=off_rate))
+            step = self.costs.plain_step()
+            off_rate = (1 + self.costs.tokens_beside) / step
+            candidates.append(Plan((1 + MIN_GAIN) * off_rate, Source.OFF, 0, expected_rate=1.0 / step))
         confident_copy = False
         if copy := self.drafters.get(Source.COPY):  # the context's and the prediction's, each on its own α
             for lookup in copy.lookups(min(room, fixed or MAX_COPY_DRAFT)):
@@ -313,7 +321,7 @@ class Controller:
         if self.adaptive:
             # include draft token i+1 only while its expected yield, P(all accepted), beats
             # what its extra cost (one draft step + the verify batch growing) earns at this plan's rate
-            step, verify = self.costs.draft_step(), self.costs.verify_pass
+            step, verify = self.costs.draft_step(), self.costs.in_batch
             stop_below = [plan.rate * (step + verify(i + 2) - verify(i + 1)) for i in range(plan.gamma)]
         return self.drafters[plan.source].draft(context, plan.gamma, params, rng, stop_below, grammar=grammar)
 

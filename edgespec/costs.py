@@ -6,6 +6,12 @@
     model round      γ d + V(γ+1) + R_target(γ, α) + R_draft(γ, α)
     free round       V(γ+1) + R_target(γ, α)          (a copy or forced text: no model runs)
 
+Beside other requests (a server's), a round's pass is decoded with theirs: V(γ+1) becomes the
+whole decode, V over each of the micro-batches llama.cpp splits it into (ubatch_sizes), and
+the controller weighs the tokens of the whole batch (see controller.py): drafts that would
+slow every neighbour down for less than they bring are left out, so that speculation stops
+by itself where the batch is full.
+
 RoundCosts answers a request's controller from those curves, each kind of round's cost
 checked against the seconds it really took (LiveCost): the curves are timed now and then,
 the rounds' real times are the truest cost there is, so a kind of round running slower than
@@ -17,6 +23,7 @@ time them again (the re-check schedule, run by Engine.upkeep when idle).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from time import perf_counter
@@ -35,6 +42,34 @@ STALE_RATIO, STALE_ROUNDS = 0.8, 8.0
 DECAY = 0.99  # per round; after ~70 rounds old evidence counts half (as the controller's acceptance)
 ALL = "all"  # the live cost of every kind of round together
 RECHECK_SHARE = 0.05  # at most this share of an engine's time goes to timing costs again
+
+
+def ubatch_sizes(passes: Sequence[tuple[int, int]]) -> list[int]:
+    """The micro-batches llama.cpp decodes passes of several sequences in ((sequence, tokens)
+    each), where each sequence has cells of its own (its split_equal): each takes as many tokens
+    from every sequence of a run of consecutive ones as the shortest of them has left."""
+    left = dict(sorted(passes))
+    sizes = []
+    while left:
+        run = [first := next(iter(left))]
+        while run[-1] + 1 in left:
+            run.append(run[-1] + 1)
+        n = min(left[seq] for seq in run)
+        sizes.append(n * len(run))
+        for seq in run:
+            left[seq] -= n
+            if not left[seq]:
+                del left[seq]
+    return sizes
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Where a request's next pass is decoded: its sequence, and the other requests' passes
+    ((sequence, tokens) each) decoded with its last one."""
+
+    seq: int = 0
+    beside: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -88,6 +123,7 @@ class RoundCosts:
         self._verify, self._draft = verify, draft_step
         self._verify_rollback, self._draft_rollback = verify_rollback, draft_rollback
         self.live: dict[Source | str, LiveCost] = {}  # per kind of round (a Source) and ALL
+        self.batch = Batch()  # what its next pass is decoded with (the run says, after each pass)
 
     # --- the curves ----------------------------------------------------------------
     def verify_pass(self, k: int) -> float:
@@ -97,6 +133,17 @@ class RoundCosts:
     def draft_step(self) -> float:
         """One draft-model step (0: no draft model's cost known)."""
         return self._draft(1) if self._draft is not None else 0.0
+
+    def in_batch(self, k: int) -> float:
+        """A pass over k tokens of this request, decoded with the passes beside it: the whole decode."""
+        if not self.batch.beside:
+            return self._verify(k)
+        return sum(self._verify(n) for n in ubatch_sizes((*self.batch.beside, (self.batch.seq, k))))
+
+    @property
+    def tokens_beside(self) -> int:
+        """Tokens the other passes of the batch bring a step (one each, at least)."""
+        return len(self.batch.beside)
 
     def in_steps(self, seconds: float) -> float:
         """`seconds` in target steps (V(1))."""
@@ -123,8 +170,8 @@ class RoundCosts:
     def verify_round(self, gamma: int, alpha: float) -> float:
         """A verify pass over γ drafts and the token before them, with the rollback it may need."""
         if self._verify_rollback is None or gamma == 0:
-            return self._verify(gamma + 1)
-        return self._verify(gamma + 1) + self._verify_rollback.expected(gamma, alpha, self._verify)
+            return self.in_batch(gamma + 1)
+        return self.in_batch(gamma + 1) + self._verify_rollback.expected(gamma, alpha, self._verify)
 
     def planned(self, source: Source, gamma: int, alpha: float = 1.0) -> float:
         """A round's expected seconds by the curves alone (a copy is free, a model draft is not)."""
@@ -142,7 +189,7 @@ class RoundCosts:
     def of_round(self, source: Source, gamma: int, accepted: int) -> float:
         """What a finished round should have cost by the curves, given what it kept."""
         step = self.draft_step() if source is Source.MODEL else 0.0
-        cost = gamma * step + self._verify(gamma + 1)
+        cost = gamma * step + self.in_batch(gamma + 1)
         if self._verify_rollback is not None and gamma:
             cost += self._verify_rollback.of_round(gamma, accepted, self._verify)
         if self._draft_rollback is not None and source is Source.MODEL and gamma:
@@ -171,7 +218,8 @@ class RoundCosts:
         planned = self.of_round(source, drafted, accepted)
         for kind in (source, ALL):
             self.live.setdefault(kind, LiveCost()).observe(timing.total, planned)
-        self._verify.observe(drafted + 1 + timing.rereads, timing.verify)
+        if not timing.beside:  # a pass alone times V(k) itself
+            self._verify.observe(drafted + 1 + timing.rereads, timing.verify)
         if source is Source.MODEL and drafted and self._draft is not None:
             self._draft.observe(1, timing.draft / drafted)
 

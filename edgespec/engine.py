@@ -18,7 +18,7 @@ from .grammar import Grammar, grammar_text
 from .healing import Healed, Healing, heal, pieces_of
 from .keystrokes import Keystrokes
 from .logprobs import TokenLogprob
-from .model import Model
+from .model import Model, Pass
 from .modes import DraftMode, Gamma, adaptive, check_mode, draft_modes
 from .request import Prompt, Request
 from .run import PREFILL_CHUNK, Event, Run
@@ -115,7 +115,9 @@ class Engine:
         except (StopIteration, EdgespecError):
             self._idle = None
             return True
-        if step is not None:
+        if isinstance(step, Pass):
+            self.decode([step])
+        else:
             idle.text.append(step.text)
             if step.done:
                 self._idle = None
@@ -306,15 +308,20 @@ class Engine:
     def events(self, run: Run) -> Iterator[Event]:
         """The events of a started Run (what stream() gives): a caller that must know the
         request is good before its prefill (the server) starts it, then takes its events."""
-        return (event for event in self.steps(run) if event is not None)
+        for step in self.steps(run):
+            if isinstance(step, Pass):
+                self.decode([step])
+            else:
+                yield step
 
-    def steps(self, run: Run) -> Iterator[Event | None]:
-        """events(), with a None after each prefill pass: a scheduler that runs several requests
-        at once (engine_thread.py) takes each a pass at a time."""
+    def steps(self, run: Run) -> Iterator[Event | Pass]:
+        """events(), with the run's target passes handed out to be decoded (decode()): a scheduler
+        that runs several requests at once (engine_thread.py) takes each a pass at a time, and
+        decodes their passes together."""
         text = []
         for event in run.steps():
-            if event is None:
-                yield None
+            if isinstance(event, Pass):
+                yield event
                 continue
             text.append(event.text)
             if event.done:  # before the last event goes out: an engine thread re-checks once the answer is in
@@ -322,6 +329,10 @@ class Engine:
                 if run.layout is not None and run.stats.finish_reason != "cancelled":  # an editor's next keystroke
                     self.keystrokes.answered(run.request, run.layout, "".join(text))
             yield event
+
+    def decode(self, passes: list[Pass]) -> None:
+        """The target's passes of several runs (steps()), decoded together (Model.decode)."""
+        self.target.decode(passes)
 
     @property
     def models(self) -> list[Model]:

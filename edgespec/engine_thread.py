@@ -7,12 +7,9 @@ their work to an EngineThread.
 
 It runs two kinds of work. A job (submit) runs whole, between two steps of the rest:
 loading, counting tokens, the chat app's answer. A task (start) is a generator that yields
-after each engine pass (a prefill chunk, a round, a token given out): up to `parallel` of
-them run at once, each in its own sequence of the models' contexts, a step of each in turn,
-so that a request's wait never depends on the length of another's answer. Interactive
-tasks (an editor's completion, which its user waits for with the cursor still) take every
-step while there are any; the others go on after. The tasks beyond `parallel` wait, in the
-order they came.
+at each target pass it needs decoded (a prefill chunk, a round's verify pass): a Scheduler
+(scheduler.py) runs up to `parallel` of them at once, decoding their passes together, so
+that a request's wait never depends on the length of another's answer.
 
 When nothing is queued or running it does the engine's idle work a step at a time
 (Engine.idle_step: re-timing costs, reading ahead for an editor's next keystroke), so that
@@ -28,13 +25,13 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter
 
 from .engine import Engine
+from .scheduler import Scheduler, Task
 
 REST_S = 0.1  # after a job, the engine waits this long before it works idle
 
@@ -48,14 +45,6 @@ class Job:
     args: tuple
 
 
-@dataclass(eq=False)
-class Task(Job):
-    """Work run a step at a time: work(*args) is a generator; what it returns goes in the future."""
-
-    interactive: bool = False
-    steps: Iterator | None = field(default=None, repr=False)  # once started
-
-
 @dataclass(frozen=True)
 class Closing:
     """The thread's last item: after the running tasks end, last() runs, and the thread ends."""
@@ -66,11 +55,9 @@ class Closing:
 class EngineThread:
     def __init__(self, name: str = "edgespec-engine", parallel: int = 1) -> None:
         """parallel: tasks run at once (the engine's sequences, see sequences.py)."""
-        self.engine: Engine | None = None  # whose upkeep runs when idle (set once loaded)
-        self.parallel = parallel
-        self._queue: queue.Queue[Job | Closing] = queue.Queue()
-        self._waiting: deque[Task] = deque()  # started, beyond `parallel`: in the order they came
-        self._running: list[Task] = []
+        self.engine: Engine | None = None  # whose upkeep runs when idle, whose passes it decodes (set once loaded)
+        self._queue: queue.Queue[Job | Task | Closing] = queue.Queue()
+        self._tasks = Scheduler(lambda passes: self.engine.decode(passes), parallel)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -91,8 +78,7 @@ class EngineThread:
     @property
     def load(self) -> tuple[int, int]:
         """Tasks running, and waiting to run (read from any thread: an estimate)."""
-        running = len(self._running)
-        return running, self._queue.qsize() + len(self._waiting)
+        return len(self._tasks.running), self._queue.qsize() + len(self._tasks.waiting)
 
     def close(self, last: Callable | None = None) -> None:
         """Drop the tasks and jobs not started, let the running tasks end, run last() (closing the
@@ -107,15 +93,13 @@ class EngineThread:
 
     def _run(self) -> None:
         while True:
-            closing = self._take(wait=not self._running)
+            closing = self._take(wait=not self._tasks.running)
             if closing is not None:
                 break
-            self._admit()
-            self._step()
-        for task in self._waiting:
-            task.future.cancel()
-        while self._running:
-            self._step()
+            self._tasks.step()
+        self._tasks.cancel_waiting()
+        while self._tasks.running:
+            self._tasks.step()
         if closing.last is not None:
             _call(Job(Future(), closing.last, ()))
 
@@ -131,31 +115,9 @@ class EngineThread:
             if isinstance(item, Closing):
                 return item
             if isinstance(item, Task):
-                self._waiting.append(item)
+                self._tasks.add(item)
             else:
                 _call(item)
-
-    def _admit(self) -> None:
-        """Waiting tasks start while fewer than `parallel` run, interactive ones first."""
-        while self._waiting and len(self._running) < self.parallel:
-            task = next((t for t in self._waiting if t.interactive), self._waiting[0])
-            self._waiting.remove(task)
-            if task.future.set_running_or_notify_cancel():
-                task.steps = task.work(*task.args)
-                self._running.append(task)
-
-    def _step(self) -> None:
-        """One step of each running task (of the interactive ones alone, while there are any)."""
-        interactive = [t for t in self._running if t.interactive]
-        for task in interactive or list(self._running):
-            try:
-                next(task.steps)
-            except StopIteration as end:
-                self._running.remove(task)
-                task.future.set_result(end.value)
-            except BaseException as e:  # the caller's to report (as with an executor)
-                self._running.remove(task)
-                task.future.set_exception(e)
 
     def _next(self) -> Job | Closing:
         """The next item; until it comes, from REST_S after the last on, the engine's idle work, a

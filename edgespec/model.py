@@ -27,6 +27,7 @@ import itertools
 import logging
 import os
 from collections.abc import Sequence
+from time import perf_counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,6 +121,26 @@ class SequenceState:
 
 
 _uses = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Pass:
+    """A sequence's next tokens, decoded beside the other sequences' (Model.decode): then the
+    logits of its last `rows` tokens, or the error that stopped it."""
+
+    seq: int
+    tokens: list[int]
+    rows: int | None = None  # None: the last token's row alone, shape (n_vocab,); else (rows, n_vocab)
+    logits: np.ndarray | None = None
+    error: Exception | None = None  # ContextFull, or a failed decode (EdgespecError)
+    seconds: float = 0.0  # the decode it was part of
+    beside: tuple[tuple[int, int], ...] = ()  # (seq, tokens) of the passes decoded with it
+
+    def result(self) -> np.ndarray:
+        """The logits, or the error raised."""
+        if self.error is not None:
+            raise self.error
+        return self.logits
 
 
 @dataclass(frozen=True)
@@ -552,6 +573,88 @@ class Model:
             ptr = llama_cpp.llama_get_logits(self._ctx)
             return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
+
+    def decode(self, passes: list[Pass]) -> None:
+        """Each pass's tokens appended to its sequence, as few llama_decode calls as fit n_batch
+        (one where they do): every sequence's next rows read the weights once. Fills each pass's
+        logits (a copy), or its error. A recurrent model decodes each pass alone (its snapshots
+        are of the last pass), as does a pass longer than n_batch (eval chunks it)."""
+        groups: list[list[Pass]] = []
+        for one in sorted(passes, key=lambda p: p.seq):  # llama.cpp batches consecutive sequences together
+            fits = groups and sum(len(p.tokens) for p in groups[-1]) + len(one.tokens) <= self.n_batch
+            if fits and not self.recurrent:
+                groups[-1].append(one)
+            else:
+                groups.append([one])
+        current = self.seq
+        for group in groups:
+            if len(group) == 1:
+                self._decode_alone(group[0])
+            else:
+                self._decode_together(group)
+        self.use(current)
+
+    def _decode_alone(self, one: Pass) -> None:
+        self.use(one.seq)
+        start = perf_counter()
+        try:
+            logits = self.eval(one.tokens, rows=one.rows)
+            one.logits = None if logits is None else np.array(logits)
+        except (ContextFull, EdgespecError) as e:
+            one.error = e
+        one.seconds, one.beside = perf_counter() - start, ()
+
+    def _decode_together(self, group: list[Pass]) -> None:
+        """One llama_decode for the group (its tokens fit n_batch)."""
+        batch, ok, at = self._batch, [], 0
+        for one in group:
+            state = self._sequences[one.seq]
+            if len(state.tokens) + len(one.tokens) > self.n_ctx:
+                one.error = ContextFull(self.n_ctx)
+                continue
+            if one.rows is not None and not 0 < one.rows <= len(one.tokens):
+                raise ValueError(f"rows must be 1..{len(one.tokens)} for {len(one.tokens)} tokens, got {one.rows}")
+            first_row = len(one.tokens) - (one.rows or 1)
+            for i, token in enumerate(one.tokens):
+                batch.token[at] = token
+                batch.pos[at] = len(state.tokens) + i
+                batch.n_seq_id[at] = 1
+                batch.seq_id[at][0] = one.seq
+                batch.logits[at] = i >= first_row
+                at += 1
+            ok.append(one)
+        if not ok:
+            return
+        batch.n_tokens = at
+        start = perf_counter()
+        status = llama_cpp.llama_decode(self._ctx, batch)
+        seconds = perf_counter() - start
+        self._decodes += 1
+        if status != 0:
+            for one in ok:  # what llama.cpp kept of a failed pass is not known: each starts again from nothing
+                self.use(one.seq)
+                self._clear()
+                one.error = (
+                    ContextFull(self.n_ctx)
+                    if status == 1
+                    else EdgespecError(
+                        f"llama.cpp failed to evaluate {at} tokens with {self.path.name} (status {status});"
+                        " rerun with EDGESPEC_VERBOSE=1 to see llama.cpp's reason"
+                    )
+                )
+            return
+        rows = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(sum(p.rows or 1 for p in ok), self.n_vocab))
+        row = 0
+        for one in ok:
+            state = self._sequences[one.seq]
+            n = one.rows or 1
+            one.logits = np.array(rows[row : row + n] if one.rows is not None else rows[row])
+            row += n
+            state.tokens.extend(one.tokens)
+            state.snapshot_pending = False
+            state.last_pass, state.last_decode = len(one.tokens), self._decodes
+            one.seconds = seconds
+            one.beside = tuple((p.seq, len(p.tokens)) for p in ok if p is not one)
 
     # --- lifetime ---------------------------------------------------------
     def _free_context(self) -> None:

@@ -14,9 +14,10 @@ from time import perf_counter
 import numpy as np
 
 from .controller import Controller
+from .costs import Batch
 from .fim import FimPrompt
 from .logprobs import TokenLogprob, token_logprobs
-from .model import ContextFull, Model
+from .model import ContextFull, Model, Pass
 from .modes import DraftMode
 from .request import Request
 from .sampling import Constraint, Law, SamplingParams, law, position_uniforms, verify, verify_greedy
@@ -107,10 +108,16 @@ class Run:
         """Prefill, then the answer's tokens as events; the last has token None, the remaining
         text and the final stats. A run cancelled (from another thread) stops at its next
         prefill chunk or round, with finish_reason "cancelled"."""
-        return (step for step in self.steps() if step is not None)
+        for step in self.steps():
+            if isinstance(step, Pass):
+                self.target.decode([step])
+            else:
+                yield step
 
-    def steps(self) -> Iterator[Event | None]:
-        """events(), with a None after each prefill pass: idle work is taken a pass at a time."""
+    def steps(self) -> Iterator[Event | Pass]:
+        """events(), with each of the target's passes handed out to be decoded (Model.decode, where
+        other runs' passes may join it) before the run goes on: a scheduler, or idle work, takes
+        the run a pass at a time."""
         stats, start = self.stats, perf_counter()
         self.sequence = self.sequences.hold(self.prompt)
         try:
@@ -127,8 +134,8 @@ class Run:
         """Before each pass: the models work on this run's sequence (see sequences.py)."""
         self.sequences.enter(self.sequence)
 
-    def _prefill(self) -> Iterator[None]:
-        """The prompt into the caches, a None after each pass; returns False where cancelled on the
+    def _prefill(self) -> Iterator[Pass]:
+        """The prompt into the caches, a pass at a time (handed out); returns False where cancelled on the
         way. The target's cache holds all but the last token, which opens the first verify batch; it
         is read prefill_chunk tokens a pass, so that a client who left (an editor's user typing on)
         waits for one pass at most, and the next request finds what was read so far in the cache."""
@@ -146,13 +153,24 @@ class Run:
             if at >= len(prompt) - 1:
                 break
             chunk = prompt[at : min(at + self.prefill_chunk, len(prompt) - 1)]
-            logits = target.eval(chunk, rows=len(chunk) if scored else None)
+            logits = (yield from self._pass(chunk, len(chunk) if scored else None)).logits
             if scored:  # the row of prompt[i] scores prompt[i + 1]
                 following = prompt[at + 1 : at + len(chunk) + 1]
                 self.prompt_logprobs += token_logprobs(logits, following, self.request.logprobs or 0, target.piece)
-            yield None
         self.controller.begin(prompt, room=min(target.n_ctx, self.limit - 1) - len(prompt))
         return True
+
+    def _pass(self, tokens: list[int], rows: int | None) -> Iterator[Pass]:
+        """A pass of the target over `tokens` in this run's sequence, handed out to be decoded;
+        returns it decoded (its logits: see Model.eval), the models back on this run's sequence.
+        Raises what stopped it (ContextFull, EdgespecError)."""
+        decoded = Pass(self.sequence, tokens, rows)
+        yield decoded
+        self.enter()
+        decoded.result()
+        if (costs := self.controller.costs) is not None:  # the next round is priced with this batch
+            costs.batch = Batch(self.sequence, decoded.beside)
+        return decoded
 
     def _answer(self) -> Iterator[Event]:
         """The answer's tokens as events, until a stop (finish_reason set)."""
@@ -162,6 +180,9 @@ class Run:
             return
         try:
             for new_tokens in self.rounds():
+                if isinstance(new_tokens, Pass):
+                    yield new_tokens
+                    continue
                 for new in new_tokens:
                     token = new.token
                     if target.is_eog(token):
@@ -197,10 +218,11 @@ class Run:
             return True
         return False
 
-    def rounds(self) -> Iterator[list[NewToken]]:
-        """Rounds of plan -> draft -> verify -> accept -> observe. Yields each round's new tokens,
-        1..γ+1 of them. Under a constraint (a grammar, or token healing; in its state after seq, advanced
-        here) the target's law at every row is the constrained one (p_g). Raises ContextFull."""
+    def rounds(self) -> Iterator[list[NewToken] | Pass]:
+        """Rounds of plan -> draft -> verify -> accept -> observe. Yields each round's verify pass
+        (to be decoded, maybe beside other runs'), then its new tokens, 1..γ+1 of them. Under a
+        constraint (a grammar, or token healing; in its state after seq, advanced here) the
+        target's law at every row is the constrained one (p_g). Raises ContextFull."""
         target, controller, params, seq = self.target, self.controller, self.params, self.seq
         while True:
             self.enter()
@@ -225,7 +247,9 @@ class Run:
 
             # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i); after a recurrent
             # target's rollback its kept tokens come first (the cache holds seq[:-1], or less: see below)
-            logits = target.eval(seq[len(target.tokens) :] + draft.tokens, rows=len(draft.tokens) + 1)
+            target_pass = yield from self._pass(seq[len(target.tokens) :] + draft.tokens, len(draft.tokens) + 1)
+            logits = target_pass.logits
+            t_decoded = perf_counter()
             rows = TargetRows(logits, params, target, constraint, draft.tokens)
             if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
                 n, next_token = verify_greedy(draft.tokens, rows.argmax)
@@ -243,9 +267,11 @@ class Run:
             target.cut(len(seq) + n)
             seq += new
             rollback = (t_pass - t1) + (perf_counter() - t3)
-            timing = RoundTiming(draft=t1 - t0, verify=t2 - t_pass, rollback=rollback, rereads=rereads)
+            # the verify pass is its decode's time (the other runs' steps between are theirs)
+            timing = RoundTiming(t1 - t0, target_pass.seconds + t2 - t_decoded, rollback, rereads, target_pass.beside)
             report = controller.observe(plan, draft, n, timing, seq)
-            self.stats.record(report, perf_counter() - t0 - (t3 - t2))
+            # its own time: the other runs' steps while it waited for its decode are theirs
+            self.stats.record(report, (t_pass - t0) + target_pass.seconds + (perf_counter() - t_decoded) - (t3 - t2))
             yield [
                 NewToken(token, i < n, logprob) for i, (token, logprob) in enumerate(zip(new, logprobs, strict=True))
             ]

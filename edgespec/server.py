@@ -39,6 +39,7 @@ from .errors import EdgespecError, PromptExceedsContext
 from .fim import Infill
 from .llama_api import LlamaServer
 from .metrics import Metrics, ServerLoad
+from .model import Pass
 from .openai_api import OpenAIChat
 from .request import Request, RequestError
 from .responses_api import Responses
@@ -91,8 +92,8 @@ class Worker:
             self.engine.close()
             self.engine = self.thread.engine = None
 
-    def _serve(self, job: Job) -> Iterator[None]:
-        """The job's answers, a step at a time (an EngineThread task)."""
+    def _serve(self, job: Job) -> Iterator[Pass]:
+        """The job's answers, a target pass at a time (an EngineThread task)."""
         try:
             if job.cancelled.is_set():  # a client that left while queued costs nothing
                 job.send(None)
@@ -105,9 +106,9 @@ class Worker:
         """Requests running and waiting, and the target's cache, now (read from any thread)."""
         running, waiting = self.thread.load
         target = self.engine.target
-        return ServerLoad(running, waiting, target.cells_used, target.n_ctx)
+        return ServerLoad(running, waiting, target.cells_used, target.n_ctx * target.n_seq)
 
-    def _generate(self, job: Job) -> Iterator[None]:
+    def _generate(self, job: Job) -> Iterator[Pass]:
         previous, start = "", perf_counter()
         for index in range(job.count):
             if index and job.cancelled.is_set():
@@ -117,7 +118,7 @@ class Worker:
             if previous is None:
                 return
 
-    def _answer(self, job: Job, request: Request) -> Iterator[None]:
+    def _answer(self, job: Job, request: Request) -> Iterator[Pass]:
         """One answer of the job, a step at a time: its Run, its events, then None; returns the
         answer's text, or None where it failed (an ApiError sent instead)."""
         try:
@@ -133,10 +134,11 @@ class Worker:
         steps = self.engine.steps(run)  # a cancelled run ends at its next prefill chunk or round
         try:
             for event in steps:
-                if event is not None:
+                if isinstance(event, Pass):
+                    yield event  # decoded with the other runs' passes
+                else:
                     job.send(event)
                     text.append(event.text)
-                yield
         except EdgespecError as e:  # the request's grammar stopped working (see grammar.py)
             job.send(ApiError(400, str(e)))
             return None

@@ -68,6 +68,7 @@ class RoundTiming:
     verify: float  # the target's batched pass, accept/resample
     rollback: float = 0.0  # on a recurrent target: its checkpoint, and after a rejection, its restore
     rereads: int = 0  # tokens a restore left to this round's pass, beside its own (they were kept, then cut)
+    beside: tuple[tuple[int, int], ...] = ()  # (sequence, tokens) of other requests' passes decoded with its own
 
     @property
     def total(self) -> float:

@@ -133,6 +133,24 @@ def test_bench_rounds_prices_the_python_of_a_round(capsys, smollm2_path):
     assert "tok/round" not in out  # no table of prompt classes that did not run
 
 
+def test_bench_concurrent_answers_chats_at_once(capsys, smollm2_path):
+    """`--prompts concurrent --parallel 4`: 2 and 4 chats sent together and one after another, in
+    each mode (SmolLM2 has no fill-in-the-middle tokens: no /infill case); without sequences to
+    spare, one line saying what to pass."""
+    argv = ["bench", *SMALL, "--prompts", "concurrent", "--modes", "auto", "--max-tokens", "12"]
+    code, out, err = run(capsys, *argv, "--parallel", "4", "--json")
+    assert code == 0, err
+    report = json.loads(out)["concurrent"]
+    for mode in ("off", "auto"):
+        cases = report["modes"][mode]
+        assert list(cases) == ["2 chats", "4 chats"]
+        for row in cases.values():
+            assert 0 < row["latency_s"] <= row["together_s"] and row["apart_s"] > 0 and row["tokens_per_s"] > 0
+    code, out, err = run(capsys, *argv, "--parallel", "2")
+    assert code == 0 and "2 chats" in out and "4 chats" not in out, err
+    assert_one_line_error(*run(capsys, *argv)[::2], "--parallel 4")
+
+
 def test_prompt_longer_than_context(capsys, smollm2_path):
     code, _, err = run(capsys, "generate", "word " * 800, *SMALL)
     assert_one_line_error(code, err, "context holds 512", "--ctx")

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from reference import assert_greedy_as_llama
 from test_clients import recorded
+from test_parallel import runs_in_turns
 from test_server import Server
 
 import edgespec
@@ -32,7 +33,7 @@ FIZZBUZZ = Infill("def fizzbuzz(n):\n", "\n\nfor line in fizzbuzz(15):\n    prin
 
 @pytest.fixture(scope="module")
 def engine():
-    with edgespec.load("qwen-coder", n_ctx=CTX, progress=False) as e:
+    with edgespec.load("qwen-coder", n_ctx=CTX, progress=False, parallel=2) as e:
         yield e
 
 
@@ -71,6 +72,19 @@ def test_greedy_fim_answers_are_the_same_with_speculation_on_and_off(engine):
                 assert_greedy_as_llama(f"{session.name} {mode}", engine, prompt, tokens, limit=24, healed=owed)
                 drafted, healed = drafted + run.stats.drafted, healed + len(owed)
     assert drafted > 0 and healed > 0  # speculation was compared, on healed prompts
+
+
+def test_an_infill_decoded_beside_a_chat_is_llamas_and_so_is_the_chat(engine):
+    """A chat answer and an editor's completion, their passes decoded together as the server's
+    scheduler decodes them, each speculating: both are Llama's answers alone."""
+    chat = [{"role": "user", "content": "Write a haiku about the sea."}]
+    request = Request(FIZZBUZZ, GREEDY, max_tokens=24, min_indent=0, draft_mode="auto")
+    runs = [engine.start(chat, temperature=0, max_tokens=32), engine.start(request)]
+    answer, completion = runs_in_turns(engine, runs)
+    assert_greedy_as_llama("chat beside an infill", engine, chat, answer, limit=32)
+    prompt, owed = healed_prompt(engine, runs[1])
+    assert_greedy_as_llama("infill beside a chat", engine, prompt, completion, limit=24, healed=owed)
+    assert runs[0].stats.n_tokens and runs[1].stats.n_tokens
 
 
 def test_a_keystroke_reads_what_it_typed_and_enter_keeps_the_head(engine):

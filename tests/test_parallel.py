@@ -7,14 +7,15 @@ import re
 import httpx
 import pytest
 import numpy as np
-from reference import assert_greedy_as_llama, reference_for
+from reference import assert_greedy_as_llama, chi_square_pvalue, law_after, reference_for
 from test_server import HELLO, Server
 
 from edgespec import EdgespecError, Engine
 from edgespec.drafters import ModelDrafter
-from edgespec.model import Model
+from edgespec.model import Model, Pass
 
 CTX = 1024
+RUNS = 1000  # seeded answers in the chi-square test
 
 
 @pytest.fixture(scope="module")
@@ -27,20 +28,27 @@ def twin_engine(smollm2_path, requantized_path):
 
 
 def in_turns(engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Greedy answers to raw prompts, their runs stepped in turn until all end: their tokens."""
-    running = {
-        i: engine.steps(engine.start(p, raw=True, temperature=0, max_tokens=max_tokens)) for i, p in enumerate(prompts)
-    }
-    answers: list[list[int]] = [[] for _ in prompts]
+    """Greedy answers to raw prompts, as the server's scheduler runs them: their tokens."""
+    return runs_in_turns(engine, [engine.start(p, raw=True, temperature=0, max_tokens=max_tokens) for p in prompts])
+
+
+def runs_in_turns(engine, runs) -> list[list[int]]:
+    """Started runs taken as the server's scheduler takes them: each to its next target pass, then
+    their passes decoded together, until all end; their tokens."""
+    running = dict(enumerate(engine.steps(run) for run in runs))
+    answers: list[list[int]] = [[] for _ in runs]
     while running:
+        passes = []
         for i, steps in list(running.items()):
-            event = next(steps)
-            if event is None:  # a prefill pass
-                continue
-            if event.done:
-                del running[i]
+            for step in steps:
+                if isinstance(step, Pass):
+                    passes.append(step)
+                    break
+                if not step.done:
+                    answers[i].append(step.token)
             else:
-                answers[i].append(event.token)
+                del running[i]
+        engine.decode(passes)
     return answers
 
 
@@ -103,6 +111,35 @@ def test_a_sequences_logits_do_not_depend_on_its_neighbours(twin_engine):
             llm.eval(tokens)
         assert np.abs(ours - llm.scores[llm.n_tokens - 1]).max() < 1e-3, f"sequence {seq} reads its neighbour's cells"
         target.truncate(0)
+
+
+ANIMAL = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSure! My favourite animal is the"
+
+
+@pytest.mark.slow
+def test_a_sampled_answers_law_is_unchanged_by_a_neighbour(twin_engine):
+    """The first token of seeded answers, each verified in the same llama_decode as another
+    request's round, follows the target's law (chi-square against Llama's), through drafts
+    accepted and resampled."""
+    params = dict(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0)
+    p = law_after(twin_engine, ANIMAL, width=5, **params)
+    counts, sources, rng = np.zeros(len(p)), set(), np.random.default_rng(7)
+    neighbour = twin_engine.steps(twin_engine.start("Once upon a time", raw=True, max_tokens=64))
+    for _ in range(RUNS):
+        seed = int(rng.integers(2**32))
+        steps = twin_engine.steps(twin_engine.start(ANIMAL, raw=True, max_tokens=8, seed=seed, **params))
+        while isinstance(step := next(steps), Pass):
+            # the neighbour's next pass beside it (a new neighbour where one has ended)
+            while (beside := next((s for s in neighbour if isinstance(s, Pass)), None)) is None:
+                neighbour = twin_engine.steps(twin_engine.start("Once upon a time", raw=True, max_tokens=64))
+            twin_engine.decode([step, beside])
+            assert step.beside, "the passes were decoded apart"
+        steps.close()
+        counts[step.token] += 1
+        sources.add(step.source)
+    neighbour.close()
+    assert sources == {"draft", "target"}, sources
+    assert chi_square_pvalue(counts, p, RUNS) > 0.01
 
 
 def test_a_short_chat_is_answered_while_a_long_one_streams():

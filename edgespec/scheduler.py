@@ -1,0 +1,76 @@
+"""Several runs at once: a step takes each to its next target pass, then decodes their passes
+together (Engine.decode: one llama_decode where they fit a batch, so every request's next rows
+read the weights once). A run's round stays its own (plan, draft, verify, accept, cut back);
+the scheduler only gathers the rows.
+
+Up to `parallel` tasks run at once, each in its own sequence of the models' contexts; the
+ones beyond wait in the order they came. Interactive tasks (an editor's completion, which its
+user waits for with the cursor still) take every step while there are any; the others go on
+after. The EngineThread runs one for the server; the concurrent bench drives one itself.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from .model import Pass
+
+
+@dataclass(eq=False)
+class Task:
+    """A generator work(*args) run a step at a time, yielding at each target pass it needs
+    decoded; what it returns, or raises, goes in the future."""
+
+    future: Future
+    work: Callable[..., Iterator]
+    args: tuple
+    interactive: bool = False
+    steps: Iterator | None = field(default=None, repr=False)  # once started
+
+
+class Scheduler:
+    def __init__(self, decode: Callable[[list[Pass]], None], parallel: int = 1) -> None:
+        """decode: decodes the passes of one step (Engine.decode); parallel: tasks run at once
+        (the engine's sequences, see sequences.py)."""
+        self.decode, self.parallel = decode, parallel
+        self.waiting: deque[Task] = deque()  # beyond `parallel`: in the order they came
+        self.running: list[Task] = []
+
+    def add(self, task: Task) -> None:
+        self.waiting.append(task)
+
+    def step(self) -> None:
+        """Waiting tasks started while fewer than `parallel` run (interactive ones first); then one
+        step of each running task (of the interactive ones alone, while there are any), and the
+        passes they handed out, decoded together."""
+        self._admit()
+        interactive = [t for t in self.running if t.interactive]
+        passes = []
+        for task in interactive or list(self.running):
+            try:
+                step = next(task.steps)
+                if isinstance(step, Pass):
+                    passes.append(step)
+            except StopIteration as end:
+                self.running.remove(task)
+                task.future.set_result(end.value)
+            except BaseException as e:  # the caller's to report (as with an executor)
+                self.running.remove(task)
+                task.future.set_exception(e)
+        if passes:
+            self.decode(passes)
+
+    def cancel_waiting(self) -> None:
+        while self.waiting:
+            self.waiting.popleft().future.cancel()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.parallel:
+            task = next((t for t in self.waiting if t.interactive), self.waiting[0])
+            self.waiting.remove(task)
+            if task.future.set_running_or_notify_cancel():
+                task.steps = task.work(*task.args)
+                self.running.append(task)
