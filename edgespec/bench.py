@@ -130,7 +130,9 @@ def run_bench(
     rounds = round_bench.run_rounds(engine, repeats, log) if round_bench.NAME in (prompts or ()) else None
     concurrent = None
     if concurrent_bench.NAME in (prompts or ()):
-        concurrent = concurrent_bench.run_concurrent(engine, [m for m in modes if m != "llama"], repeats, max_tokens, log)
+        concurrent = concurrent_bench.run_concurrent(
+            engine, [m for m in modes if m != "llama"], repeats, max_tokens, log
+        )
     return {
         "target": engine.target.path.name,
         "draft": draft_model.path.name if draft_model else None,

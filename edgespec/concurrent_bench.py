@@ -34,7 +34,7 @@ CHATS = (
     "Write a Python class for a bank account with deposits, withdrawals and a history.",
 )
 INFILL = Infill(
-    prefix="def mean(values):\n    \"\"\"The arithmetic mean of a non-empty list.\"\"\"\n    ",
+    prefix='def mean(values):\n    """The arithmetic mean of a non-empty list."""\n    ',
     suffix="\n\n\ndef median(values):\n    ordered = sorted(values)\n",
 )
 INFILL_TOKENS = 32
@@ -153,7 +153,10 @@ def run_concurrent(
                         "tokens_per_s": tokens / together_s,
                     }
                 )
-            log(f"{NAME} {r + 1}/{repeats} {mode}: " + ", ".join(f"{c} {v[-1]['together_s']:.1f}s" for c, v in rows.items()))
+            log(
+                f"{NAME} {r + 1}/{repeats} {mode}: "
+                + ", ".join(f"{c} {v[-1]['together_s']:.1f}s" for c, v in rows.items())
+            )
     return {
         "prompt": NAME,
         "repeats": repeats,

@@ -248,7 +248,9 @@ class Controller:
         expected = expected_tokens(alpha, gamma) / costs.expected(source, gamma, alpha)  # this request's own
         if rng is None:  # a copy needs no exploring: its evidence grows for free while the target agrees
             return Plan(best, source, gamma, key=key, expected_rate=expected, alpha=alpha)
-        return Plan(batch_rate(acceptance.sample(rng), gamma), source, gamma, key=key, expected_rate=expected, alpha=alpha)
+        return Plan(
+            batch_rate(acceptance.sample(rng), gamma), source, gamma, key=key, expected_rate=expected, alpha=alpha
+        )
 
     def _free_plan(self, draft: Draft, key: AcceptanceKey, evidence: int, cut_short: bool) -> Plan:
         """The plan for a free draft (a copy, forced text): as much of it as is worth verifying."""

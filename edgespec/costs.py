@@ -51,7 +51,7 @@ def ubatch_sizes(passes: Sequence[tuple[int, int]]) -> list[int]:
     left = dict(sorted(passes))
     sizes = []
     while left:
-        run = [first := next(iter(left))]
+        run = [next(iter(left))]
         while run[-1] + 1 in left:
             run.append(run[-1] + 1)
         n = min(left[seq] for seq in run)

@@ -27,9 +27,9 @@ import itertools
 import logging
 import os
 from collections.abc import Sequence
-from time import perf_counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import perf_counter
 
 import llama_cpp
 import llama_cpp._logger
@@ -126,7 +126,8 @@ _uses = itertools.count(1)
 @dataclass(eq=False)
 class Pass:
     """A sequence's next tokens, decoded beside the other sequences' (Model.decode): then the
-    logits of its last `rows` tokens, or the error that stopped it."""
+    logits of its last `rows` tokens (a view into llama.cpp's buffer, as eval's: valid until the
+    model's next decode), or the error that stopped it."""
 
     seq: int
     tokens: list[int]
@@ -577,7 +578,7 @@ class Model:
     def decode(self, passes: list[Pass]) -> None:
         """Each pass's tokens appended to its sequence, as few llama_decode calls as fit n_batch
         (one where they do): every sequence's next rows read the weights once. Fills each pass's
-        logits (a copy), or its error. A recurrent model decodes each pass alone (its snapshots
+        logits, or its error. A recurrent model decodes each pass alone (its snapshots
         are of the last pass), as does a pass longer than n_batch (eval chunks it)."""
         groups: list[list[Pass]] = []
         for one in sorted(passes, key=lambda p: p.seq):  # llama.cpp batches consecutive sequences together
@@ -598,8 +599,7 @@ class Model:
         self.use(one.seq)
         start = perf_counter()
         try:
-            logits = self.eval(one.tokens, rows=one.rows)
-            one.logits = None if logits is None else np.array(logits)
+            one.logits = self.eval(one.tokens, rows=one.rows)
         except (ContextFull, EdgespecError) as e:
             one.error = e
         one.seconds, one.beside = perf_counter() - start, ()
@@ -643,12 +643,14 @@ class Model:
                     )
                 )
             return
-        rows = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(sum(p.rows or 1 for p in ok), self.n_vocab))
+        rows = np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits(self._ctx), shape=(sum(p.rows or 1 for p in ok), self.n_vocab)
+        )
         row = 0
         for one in ok:
             state = self._sequences[one.seq]
             n = one.rows or 1
-            one.logits = np.array(rows[row : row + n] if one.rows is not None else rows[row])
+            one.logits = rows[row : row + n] if one.rows is not None else rows[row]
             row += n
             state.tokens.extend(one.tokens)
             state.snapshot_pending = False

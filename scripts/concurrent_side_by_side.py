@@ -6,6 +6,7 @@ another, and the tokens per second of all of them). Greedy; chats streamed throu
 API; medians over the repeats.
 
     python scripts/concurrent_side_by_side.py --llama-server PATH/TO/llama-server [--repeats 2] [--max-tokens 128]
+        [--only edgespec,"edgespec off",llama-server]
 
 Servers: edgespec --parallel 4 (auto, the default pair), the same with speculation off, and
 llama-server -np 4 on the target with the same context per request. One server runs at a time,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -57,7 +59,8 @@ def chat(url: str, text: str, max_tokens: int, answer: Answer) -> None:
     answer.sent = time.perf_counter()
     with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True}, timeout=600) as r:
         for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+            choices = json.loads(line[6:])["choices"] if line.startswith("data: {") else []
+            if choices and choices[0]["delta"].get("content"):
                 answer.tokens += 1
     answer.done = time.perf_counter()
 
@@ -101,10 +104,10 @@ def cases(url: str, max_tokens: int) -> dict[str, dict]:
     rows["infill during a chat"] = {"alone_s": alone.latency, "together_s": during.latency}
     for n in (2, PARALLEL):
         apart = [Answer() for _ in range(n)]
-        for text, answer in zip(CHATS, apart):
+        for text, answer in zip(CHATS, apart, strict=False):
             chat(url, text, max_tokens, answer)
         answers = [Answer() for _ in range(n)]
-        seconds = together([lambda t=text, a=answer: chat(url, t, max_tokens, a) for t, a in zip(CHATS, answers)])
+        seconds = together([lambda t=t, a=a: chat(url, t, max_tokens, a) for t, a in zip(CHATS, answers, strict=False)])
         rows[f"{n} chats"] = {
             "apart_s": sum(a.latency for a in apart),
             "together_s": seconds,
@@ -121,8 +124,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ctx", type=int, default=4096, help="context per request (default 4096)")
     parser.add_argument("--log", default="concurrent_side_by_side.log")
+    parser.add_argument("--only", help="comma-separated server names (default: all)")
     args = parser.parse_args()
     commands = servers(args)
+    if args.only:
+        commands = {name: commands[name] for name in args.only.split(",")}
     runs: dict[str, list[dict]] = {name: [] for name in commands}
     for r in range(args.repeats):
         for name in list(commands)[:: -1 if r % 2 else 1]:
@@ -133,6 +139,9 @@ def main() -> None:
             finally:
                 stop(process)
             print(f"{r + 1}/{args.repeats} {name}: {json.dumps(runs[name][-1])}", flush=True)
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    machine = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line), "?")
+    print(f"{machine}, greedy, chats of up to {args.max_tokens} tokens, medians of {args.repeats}")
     print(f"{'case':<22}{'server':<14}{'apart s':>9}{'together s':>12}{'ratio':>8}{'latency s':>11}{'tok/s':>8}")
     for case in runs[next(iter(runs))][0]:
         for name, repeats in runs.items():

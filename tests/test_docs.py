@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,20 @@ def test_fim_side_by_side_script_runs(tmp_path, sampling):
     row = report["servers"]["edgespec"]
     assert 0 <= row["right"] <= 1 and 0 < row["read"] <= 3  # a keystroke reads what it typed
     assert report["sampling"] == sampling
+
+
+@pytest.mark.slow
+def test_concurrent_side_by_side_script_runs():
+    """The README's figures for several requests at once come from this script (edgespec's server
+    only here: llama-server is not built)."""
+    assert "scripts/concurrent_side_by_side.py --llama-server PATH" in README.replace("\n", " ")
+    script = Path(__file__).parents[1] / "scripts" / "concurrent_side_by_side.py"
+    argv = [sys.executable, str(script), "--llama-server", "unused", "--only", "edgespec", "--repeats", "1"]
+    argv += ["--max-tokens", "8", "--ctx", "1024"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tempfile.gettempdir())
+    assert done.returncode == 0, done.stderr
+    for case in ("infill during a chat", "2 chats", "4 chats"):
+        assert re.search(rf"^{case} +edgespec +[\d.]+ +[\d.]+ +[\d.]+x", done.stdout, re.M), done.stdout
 
 
 @pytest.mark.slow

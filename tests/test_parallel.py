@@ -3,10 +3,12 @@ runs taken a step at a time in turn (as the server's EngineThread takes them); e
 Llama's alone."""
 
 import re
+import threading
+import time
 
 import httpx
-import pytest
 import numpy as np
+import pytest
 from reference import assert_greedy_as_llama, chi_square_pvalue, law_after, reference_for
 from test_server import HELLO, Server
 
@@ -161,5 +163,44 @@ def test_a_short_chat_is_answered_while_a_long_one_streams():
         answered = [line for line in server.lines if "answered:" in line]
         short = reply.usage.completion_tokens
         assert len(answered) == 2 and re.search(rf"\d+\+{short} tokens", answered[0]), answered  # it ended first
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_client_that_hangs_up_mid_batch_frees_its_sequence_for_the_next():
+    """--parallel 2, both sequences streaming: a third request is deferred (/metrics says so) until
+    one client hangs up; it then takes that sequence and is answered while the other stream goes on."""
+    server = Server("--parallel", "2", "--metrics")
+    story = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 400}
+    story |= {"stream": True, "temperature": 0}
+    url, replies = server.url + "/chat/completions", []
+
+    def metric(name: str) -> float:
+        text = httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=60).text
+        return float(re.search(rf"^llamacpp:{name} (\S+)", text, re.M).group(1))
+
+    try:
+        with httpx.stream("POST", url, json=story, timeout=120) as kept:
+            kept_lines = kept.iter_lines()
+            assert next(kept_lines).startswith("data: ")
+            with httpx.stream("POST", url, json=story | {"seed": 2}, timeout=120) as left:
+                left_lines = left.iter_lines()  # (kept: a generator dropped closes the stream)
+                assert next(left_lines).startswith("data: ")
+                third = threading.Thread(
+                    target=lambda: replies.append(
+                        server.client().chat.completions.create(model="m", messages=HELLO, temperature=0, max_tokens=8)
+                    )
+                )
+                third.start()
+                deadline = time.monotonic() + 60
+                while metric("requests_deferred") < 1:  # the third waits: no sequence is free
+                    assert time.monotonic() < deadline and third.is_alive(), "the third was not deferred"
+                    time.sleep(0.05)
+            third.join(timeout=120)  # the other client has hung up: its sequence answers the third
+            after = [line for line in kept_lines if line.startswith("data: ")]
+        assert replies and replies[0].choices[0].message.content
+        assert len(after) > 8  # the kept stream went on after the third was answered
+        answered = [line for line in server.lines if "answered:" in line]
+        assert len(answered) == 3 and "finish cancelled" in answered[0], answered
     finally:
         assert server.stop() == 0
