@@ -160,31 +160,32 @@ def run_concurrent(
     return {
         "prompt": NAME,
         "repeats": repeats,
-        "modes": {
-            mode: {case: _medians(runs) for case, runs in cases_of.items()} for mode, cases_of in samples.items()
-        },
+        "modes": {mode: {case: medians(runs) for case, runs in cases_of.items()} for mode, cases_of in samples.items()},
     }
 
 
-def _medians(runs: list[dict]) -> dict:
+def medians(runs: list[dict]) -> dict:
+    """A case's runs as one row: the median of each figure, and together against apart (or alone)."""
     row = {key: float(np.median([run[key] for run in runs])) for key in runs[0]}
     apart = row.get("apart_s", row.get("alone_s"))
     row["together_vs_apart"] = row["together_s"] / apart
     return row
 
 
-def print_rows(report: dict) -> None:
+def print_rows(report: dict, column: str = "mode") -> None:
+    """report["modes"]: rows (medians()) per case for each mode, or for each `column` (a server)."""
     print(
         f"{NAME}: requests at once (greedy, medians of {report['repeats']}); infill: its latency alone and during"
         f" a chat; chats: the time to answer all, together and one after another"
     )
-    print(f"{'case':<22}{'mode':<7}{'apart s':>9}{'together s':>12}{'ratio':>8}{'latency s':>11}{'tok/s':>8}")
+    width = max(len(column), *map(len, report["modes"])) + 2
+    print(f"{'case':<22}{column:<{width}}{'apart s':>9}{'together s':>12}{'ratio':>8}{'latency s':>11}{'tok/s':>8}")
     for mode, cases in report["modes"].items():
         for case, m in cases.items():
             apart = m.get("apart_s", m.get("alone_s"))
             latency = m.get("latency_s", m["together_s"])
             tokens_per_s = f"{m['tokens_per_s']:>8.2f}" if "tokens_per_s" in m else f"{'':>8}"
             print(
-                f"{case:<22}{mode:<7}{apart:>9.2f}{m['together_s']:>12.2f}{m['together_vs_apart']:>7.2f}x"
+                f"{case:<22}{mode:<{width}}{apart:>9.2f}{m['together_s']:>12.2f}{m['together_vs_apart']:>7.2f}x"
                 f"{latency:>11.2f}{tokens_per_s}"
             )

@@ -546,27 +546,14 @@ class Model:
         if rows is not None and not 0 < rows <= last_chunk:
             raise ValueError(f"rows must be 1..{last_chunk} for {len(tokens)} tokens, got {rows}")
         first_row = len(tokens) - (rows or 1)  # the first token whose logits are made
-        batch = self._batch
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
-            pos0 = len(self.tokens)
-            for i, token in enumerate(chunk):
-                batch.token[i] = token
-                batch.pos[i] = pos0 + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = self.seq
-                batch.logits[i] = start + i >= first_row
-            batch.n_tokens = len(chunk)
-            status = llama_cpp.llama_decode(self._ctx, batch)
+            self._batch.n_tokens = self._put(0, self.seq, len(self.tokens), chunk, first_row - start)
+            status = llama_cpp.llama_decode(self._ctx, self._batch)
             self._now.snapshot_pending = False
             if status != 0:
                 self._clear()  # what llama.cpp kept of a failed pass is not known: start again from nothing
-                if status == 1:  # no room for the batch in the cache
-                    raise ContextFull(self.n_ctx)
-                raise EdgespecError(
-                    f"llama.cpp failed to evaluate {len(chunk)} tokens with {self.path.name} (status {status});"
-                    " rerun with EDGESPEC_VERBOSE=1 to see llama.cpp's reason"
-                )
+                raise self._failure(status, len(chunk))
             self._decodes += 1
             self._now.last_pass, self._now.last_decode = len(chunk), self._decodes
             self.tokens.extend(chunk)
@@ -574,6 +561,27 @@ class Model:
             ptr = llama_cpp.llama_get_logits(self._ctx)
             return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
+
+    def _put(self, at: int, seq: int, pos0: int, tokens: list[int], first_row: int) -> int:
+        """Sequence `seq`'s tokens (from position pos0) into the batch from index `at`, logits made
+        for those from first_row on; returns the next index."""
+        batch = self._batch
+        for i, token in enumerate(tokens, start=at):
+            batch.token[i] = token
+            batch.pos[i] = pos0 + i - at
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = i - at >= first_row
+        return at + len(tokens)
+
+    def _failure(self, status: int, n_tokens: int) -> Exception:
+        """What a refused llama_decode of n_tokens tokens means for the caller."""
+        if status == 1:  # no room for the batch in the cache
+            return ContextFull(self.n_ctx)
+        return EdgespecError(
+            f"llama.cpp failed to evaluate {n_tokens} tokens with {self.path.name} (status {status});"
+            " rerun with EDGESPEC_VERBOSE=1 to see llama.cpp's reason"
+        )
 
     def decode(self, passes: list[Pass]) -> None:
         """Each pass's tokens appended to its sequence, as few llama_decode calls as fit n_batch
@@ -606,7 +614,7 @@ class Model:
 
     def _decode_together(self, group: list[Pass]) -> None:
         """One llama_decode for the group (its tokens fit n_batch)."""
-        batch, ok, at = self._batch, [], 0
+        ok, at = [], 0
         for one in group:
             state = self._sequences[one.seq]
             if len(state.tokens) + len(one.tokens) > self.n_ctx:
@@ -614,34 +622,20 @@ class Model:
                 continue
             if one.rows is not None and not 0 < one.rows <= len(one.tokens):
                 raise ValueError(f"rows must be 1..{len(one.tokens)} for {len(one.tokens)} tokens, got {one.rows}")
-            first_row = len(one.tokens) - (one.rows or 1)
-            for i, token in enumerate(one.tokens):
-                batch.token[at] = token
-                batch.pos[at] = len(state.tokens) + i
-                batch.n_seq_id[at] = 1
-                batch.seq_id[at][0] = one.seq
-                batch.logits[at] = i >= first_row
-                at += 1
+            at = self._put(at, one.seq, len(state.tokens), one.tokens, len(one.tokens) - (one.rows or 1))
             ok.append(one)
         if not ok:
             return
-        batch.n_tokens = at
+        self._batch.n_tokens = at
         start = perf_counter()
-        status = llama_cpp.llama_decode(self._ctx, batch)
+        status = llama_cpp.llama_decode(self._ctx, self._batch)
         seconds = perf_counter() - start
         self._decodes += 1
         if status != 0:
             for one in ok:  # what llama.cpp kept of a failed pass is not known: each starts again from nothing
                 self.use(one.seq)
                 self._clear()
-                one.error = (
-                    ContextFull(self.n_ctx)
-                    if status == 1
-                    else EdgespecError(
-                        f"llama.cpp failed to evaluate {at} tokens with {self.path.name} (status {status});"
-                        " rerun with EDGESPEC_VERBOSE=1 to see llama.cpp's reason"
-                    )
-                )
+                one.error = self._failure(status, at)
             return
         rows = np.ctypeslib.as_array(
             llama_cpp.llama_get_logits(self._ctx), shape=(sum(p.rows or 1 for p in ok), self.n_vocab)

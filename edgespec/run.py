@@ -53,7 +53,7 @@ class NewToken:
 
 
 class Run:
-    """A request's answer, token by token (events()), and what speculation did (stats)."""
+    """A request's answer, token by token (steps()), and what speculation did (stats)."""
 
     def __init__(
         self,
@@ -104,20 +104,12 @@ class Run:
         self.text = TextStream(request.stops, request.min_indent, skip=healed)
         self.prompt_logprobs: list[TokenLogprob] = []  # once read, where Request.prompt_logprobs asks for them
 
-    def events(self) -> Iterator[Event]:
-        """Prefill, then the answer's tokens as events; the last has token None, the remaining
-        text and the final stats. A run cancelled (from another thread) stops at its next
-        prefill chunk or round, with finish_reason "cancelled"."""
-        for step in self.steps():
-            if isinstance(step, Pass):
-                self.target.decode([step])
-            else:
-                yield step
-
     def steps(self) -> Iterator[Event | Pass]:
-        """events(), with each of the target's passes handed out to be decoded (Model.decode, where
-        other runs' passes may join it) before the run goes on: a scheduler, or idle work, takes
-        the run a pass at a time."""
+        """Prefill, then the answer's tokens as events; the last has token None, the remaining
+        text and the final stats. Each of the target's passes is handed out to be decoded
+        (Model.decode, where other runs' passes may join it) before the run goes on: Engine.events
+        decodes it alone, a scheduler with the others'. A run cancelled (from another thread) stops
+        at its next prefill chunk or round, with finish_reason "cancelled"."""
         stats, start = self.stats, perf_counter()
         self.sequence = self.sequences.hold(self.prompt)
         try:

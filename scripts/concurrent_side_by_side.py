@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 from fim_side_by_side import start, stop
 
-from edgespec.concurrent_bench import CHATS, INFILL, INFILL_AFTER, INFILL_TOKENS
+from edgespec.concurrent_bench import CHATS, INFILL, INFILL_AFTER, INFILL_TOKENS, medians, print_rows
 from edgespec.loader import resolve_model
 from edgespec.registry import load_registry
 
@@ -142,16 +142,11 @@ def main() -> None:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     machine = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line), "?")
     print(f"{machine}, greedy, chats of up to {args.max_tokens} tokens, medians of {args.repeats}")
-    print(f"{'case':<22}{'server':<14}{'apart s':>9}{'together s':>12}{'ratio':>8}{'latency s':>11}{'tok/s':>8}")
-    for case in runs[next(iter(runs))][0]:
-        for name, repeats in runs.items():
-            row = {key: float(np.median([run[case][key] for run in repeats])) for key in repeats[0][case]}
-            apart = row.get("apart_s", row.get("alone_s"))
-            tokens_per_s = f"{row['tokens_per_s']:>8.2f}" if "tokens_per_s" in row else ""
-            print(
-                f"{case:<22}{name:<14}{apart:>9.2f}{row['together_s']:>12.2f}{row['together_s'] / apart:>7.2f}x"
-                f"{row.get('latency_s', row['together_s']):>11.2f}{tokens_per_s}"
-            )
+    report = {"repeats": args.repeats, "modes": {name: {} for name in runs}}
+    for name, repeats in runs.items():
+        for case in repeats[0]:
+            report["modes"][name][case] = medians([run[case] for run in repeats])
+    print_rows(report, column="server")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,16 @@ def test_a_sampled_answers_law_is_unchanged_by_a_neighbour(twin_engine):
     assert chi_square_pvalue(counts, p, RUNS) > 0.01
 
 
+def answered_lines(server, n: int) -> list[str]:
+    """The server's first n "answered:" log lines, waited for (a stream's line follows its last chunk)."""
+    deadline = time.monotonic() + 30
+    while len(answered := [line for line in server.lines if "answered:" in line]) < n:
+        assert time.monotonic() < deadline, answered
+        time.sleep(0.05)
+    assert len(answered) == n, answered
+    return answered
+
+
 def test_a_short_chat_is_answered_while_a_long_one_streams():
     """With --parallel 2 a request's wait does not depend on the length of another's answer, and
     /metrics counts both as processing."""
@@ -160,9 +170,9 @@ def test_a_short_chat_is_answered_while_a_long_one_streams():
         assert reply.choices[0].message.content and len(after) > 8  # the story went on after the reply
         processing = re.search(r"^llamacpp:requests_processing (\S+)", metrics, re.M)
         assert processing is not None and float(processing.group(1)) == 1
-        answered = [line for line in server.lines if "answered:" in line]
+        answered = answered_lines(server, 2)
         short = reply.usage.completion_tokens
-        assert len(answered) == 2 and re.search(rf"\d+\+{short} tokens", answered[0]), answered  # it ended first
+        assert re.search(rf"\d+\+{short} tokens", answered[0]), answered  # it ended first
     finally:
         assert server.stop() == 0
 
@@ -200,10 +210,7 @@ def test_a_client_that_hangs_up_mid_batch_frees_its_sequence_for_the_next():
             after = [line for line in kept_lines if line.startswith("data: ")]
         assert replies and replies[0].choices[0].message.content
         assert len(after) > 8  # the kept stream went on after the third was answered
-        deadline = time.monotonic() + 30  # the kept stream's log line follows its last chunk
-        while len(answered := [line for line in server.lines if "answered:" in line]) < 3:
-            assert time.monotonic() < deadline, answered
-            time.sleep(0.05)
+        answered = answered_lines(server, 3)
         assert "finish cancelled" in answered[0], answered
     finally:
         assert server.stop() == 0
