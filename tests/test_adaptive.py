@@ -12,7 +12,7 @@ from replay import controller_on
 from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibration, cost_curve, store
 from edgespec.calibration import CostCurve
 from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
-from edgespec.costs import Recheck
+from edgespec.costs import Batch, Recheck, ubatch_sizes
 from edgespec.drafters import CopyDrafter
 from edgespec.stats import RoundReport, RoundTiming
 
@@ -138,6 +138,23 @@ def test_controller_turns_off_when_alpha_is_low_and_comes_back_when_it_rises():
     feed(controller, accepted=4, drafted=4, rounds=30)  # the probe found α high again
     assert controller.plan([1, 2, 3], 100).source == "model"
     assert controller.acceptance_of("model").alpha > 0.8
+
+
+def test_a_batch_is_priced_as_llama_cpp_splits_it_and_a_full_one_stops_drafting():
+    """Sequences of their own: llama.cpp decodes equal rows of a run of consecutive sequences at a
+    time. On the CPU curve a draft model at α 0.97 pays alone; beside three one-token passes its
+    rows would be a micro-batch of their own, slowing every neighbour: the plan is no draft."""
+    assert ubatch_sizes([(0, 5), (1, 1)]) == [2, 4]
+    assert ubatch_sizes([(1, 3), (0, 3)]) == [6]
+    assert ubatch_sizes([(0, 1), (2, 1)]) == [1, 1]  # not consecutive: apart
+    assert ubatch_sizes([(0, 5), (1, 1), (2, 1), (3, 1)]) == [4, 4]
+    controller = adaptive(CPU)
+    controller.acceptance_of("model").accepted = 0.97 * 1e6
+    controller.acceptance_of("model").rejected = 0.03 * 1e6
+    assert controller.plan([1, 2, 3], 100).source == "model"
+    controller.costs.batch = Batch(0, ((1, 1), (2, 1), (3, 1)))
+    assert controller.costs.in_batch(5) == pytest.approx(CPU(4) + CPU(4))
+    assert controller.plan([1, 2, 3], 100).source == "off"
 
 
 def test_model_draft_gets_stop_thresholds_from_the_cost_model():
