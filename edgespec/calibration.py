@@ -175,14 +175,15 @@ def save(model: Model, sizes, curve: CostCurve) -> None:
 
 def recheck(curves: list[tuple[Model, CostCurve]], *, every: bool = False, timer: Timer = TIMER) -> None:
     """Measure again what is due (CostCurve.due: a point a curve), alternating between the
-    models so that both see the same load; every: until nothing is due."""
+    models so that both see the same load; every: until nothing is due, or a pass finds no
+    room in the context (its point stays due, for a re-check on an emptier one)."""
     while plans := [(model, curve, k) for model, curve in curves if (k := curve.due()) is not None]:
-        _recheck(plans, timer)
-        if not every:
+        if not _recheck(plans, timer) or not every:
             return
 
 
-def _recheck(plans: list[tuple[Model, CostCurve, int]], timer: Timer) -> None:
+def _recheck(plans: list[tuple[Model, CostCurve, int]], timer: Timer) -> bool:
+    """Each plan's point timed again; False where one had no room left in the context."""
     steps: list[list[float]] = [[] for _ in plans]
     passes = [timer(model, k, 1) for model, _, k in plans]
     for _ in range(2):  # the cheap single step twice (the faster counts)
@@ -191,6 +192,7 @@ def _recheck(plans: list[tuple[Model, CostCurve, int]], timer: Timer) -> None:
     for (_, curve, k), times, seconds in zip(plans, steps, passes, strict=True):
         if not math.isnan(step := min(times)):  # NaN: no room left in the context
             curve.recheck(step, k, seconds)
+    return not any(math.isnan(seconds) for seconds in passes + [min(times) for times in steps])
 
 
 def choose_flash_attn(model: Model, timer: Timer = TIMER) -> bool:

@@ -23,6 +23,7 @@ tasks end, then runs its last job.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -32,6 +33,8 @@ from time import perf_counter
 
 from .engine import Engine
 from .scheduler import Scheduler, Task
+
+log = logging.getLogger("edgespec")
 
 REST_S = 0.1  # after a job, the engine waits this long before it works idle
 
@@ -93,7 +96,7 @@ class EngineThread:
 
     def _run(self) -> None:
         while True:
-            closing = self._take(wait=not self._tasks.running)
+            closing = self._take(wait=not (self._tasks.running or self._tasks.waiting))
             if closing is not None:
                 break
             self._tasks.step()
@@ -129,8 +132,17 @@ class EngineThread:
                 return self._queue.get(timeout=max(0.0, rested - perf_counter()))
             except queue.Empty:
                 pass
-            if self.engine is None or not self.engine.idle_step():
+            if not self._idle_step():
                 return self._queue.get()
+
+    def _idle_step(self) -> bool:
+        """One step of the engine's idle work; False where there is none, or it failed (a bug: one
+        log line, and the thread goes on serving)."""
+        try:
+            return self.engine is not None and self.engine.idle_step()
+        except Exception as e:
+            log.error("idle work failed: %s: %s", type(e).__name__, e)
+            return False
 
 
 def _call(job: Job) -> None:

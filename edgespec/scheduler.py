@@ -61,7 +61,11 @@ class Scheduler:
                 self.running.remove(task)
                 task.future.set_exception(e)
         if passes:
-            self.decode(passes)
+            try:
+                self.decode(passes)
+            except Exception as e:  # a bug (llama.cpp's refusals are each pass's error): its runs fail, the rest go on
+                for one in passes:
+                    one.error = e
 
     def cancel_waiting(self) -> None:
         while self.waiting:

@@ -208,6 +208,22 @@ def test_each_stale_point_is_due_in_turn():
     assert curve.due() is None  # all checked within RECHECK_S
 
 
+def test_a_recheck_of_every_point_ends_where_a_pass_finds_no_room(smollm2):
+    """The sequence the re-check times on is nearly full: the passes with no room stay due
+    (timed again when there is room) and the re-check ends (it once spun for ever, and the
+    server with it)."""
+    curve = CostCurve({1: 1.0, 2: 1.8, 8: 6.0}, checked={1: 0.0, 2: 0.0, 8: 0.0})
+    timed = []
+
+    def no_room_for_8(model, k):
+        timed.append(k)
+        assert len(timed) < 100, "the re-check never ends"
+        return float("nan") if k == 8 else 1.0 * k
+
+    calibration.recheck([(smollm2, curve)], every=True, timer=Scripted(no_room_for_8))
+    assert curve.due() == 8 and curve.checked[2] > 0  # 2 was timed, 8 stays due
+
+
 def test_a_pass_never_costs_more_than_its_tokens_one_at_a_time():
     """A curve timed while something else ran (the one a busy bench left in a real cache:
     V(2) = 9.3 and V(64) = 94 single steps) is bounded when it is read: passes of k tokens

@@ -12,8 +12,9 @@ import pytest
 from reference import assert_greedy_as_llama, chi_square_pvalue, law_after, reference_for
 from test_server import HELLO, Server
 
-from edgespec import EdgespecError, Engine
+from edgespec import EdgespecError, Engine, EngineThread
 from edgespec.drafters import ModelDrafter
+from edgespec.engine_thread import REST_S
 from edgespec.model import Model, Pass
 
 CTX = 1024
@@ -214,3 +215,58 @@ def test_a_client_that_hangs_up_mid_batch_frees_its_sequence_for_the_next():
         assert "finish cancelled" in answered[0], answered
     finally:
         assert server.stop() == 0
+
+
+# --- the engine thread keeps serving ------------------------------------------------------
+
+
+class Decoder:
+    """An engine's stand-in for the EngineThread: decodes by failing once, works idle by failing once."""
+
+    def __init__(self) -> None:
+        self.decode_fails = self.idle_fails = True
+
+    def decode(self, passes: list[Pass]) -> None:
+        if self.decode_fails:
+            self.decode_fails = False
+            raise RuntimeError("a bug in a decode")
+        for one in passes:
+            one.logits = np.zeros(1)
+
+    def idle_step(self) -> bool:
+        if self.idle_fails:
+            self.idle_fails = False
+            raise RuntimeError("a bug in idle work")
+        return False
+
+
+def two_passes(name: str):
+    """A task of two target passes: its name, or the first pass's error."""
+    for _ in range(2):
+        one = Pass(seq=0, tokens=[1])
+        yield one
+        one.result()
+    return name
+
+
+def test_tasks_waiting_for_a_turn_start_when_the_running_ones_end():
+    """One task at a time: every one queued behind the first is answered, none waits for a
+    request that never comes (the last of 8 clients' requests once hung 120 s in CI)."""
+    thread = EngineThread(parallel=1)
+    thread.engine = Decoder()
+    thread.engine.decode_fails = thread.engine.idle_fails = False
+    futures = [thread.start(two_passes, f"task {i}") for i in range(4)]
+    assert [f.result(timeout=10) for f in futures] == [f"task {i}" for i in range(4)]
+    thread.close()
+
+
+def test_a_failing_decode_or_idle_work_fails_its_step_alone_and_the_thread_goes_on():
+    """A bug in a decode or in idle work: the tasks in that step fail with it, the thread goes on."""
+    thread = EngineThread(parallel=2)
+    thread.engine = Decoder()
+    with pytest.raises(RuntimeError, match="a bug in a decode"):
+        thread.start(two_passes, "first").result(timeout=10)
+    time.sleep(3 * REST_S)  # idle now: the idle work fails
+    assert not thread.engine.idle_fails
+    assert thread.start(two_passes, "after").result(timeout=10) == "after"
+    thread.close()
