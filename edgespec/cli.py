@@ -238,7 +238,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .registry import load_registry
-    from .server import Api, Worker, listen, serve
+    from .server.app import Api, Worker, listen, serve
 
     _check_flags(args)
     sock = listen(args.host, args.port)  # before loading: a port in use costs no load time

@@ -30,7 +30,7 @@ import numpy as np
 from .engine import Engine
 from .engine_thread import EngineThread
 from .fim import Chunk, Infill
-from .llama_api import answers_of, request_of
+from .server.llama_api import answers_of, request_of
 from .stats import Stats
 
 FILES = ("textwrap.py", "shlex.py", "graphlib.py", "queue.py", "sched.py", "statistics.py")

@@ -1,6 +1,6 @@
 """One request to the engine, from every shell: the command line, the chat app, bench and
-the server (each API's translation of its request body: openai_api.py, anthropic_api.py,
-responses_api.py, llama_api.py) build a Request, and Engine.stream takes it.
+the server (each API's translation of its request body: server/openai_api.py,
+anthropic_api.py, responses_api.py, llama_api.py) build a Request, and Engine.stream takes it.
 
 A Request is checked once, when it is made: a bad setting is one EdgespecError naming
 it (RequestError, with the API field it came from). What needs the model (the chat

@@ -330,7 +330,7 @@ def test_silent_streams_get_keepalives_that_clients_skip(monkeypatch):
     from starlette.testclient import TestClient
 
     import edgespec
-    from edgespec import server as serving
+    from edgespec.server import app as serving
 
     monkeypatch.setattr(serving, "KEEPALIVE_S", 0.001)
     worker = serving.Worker(lambda: edgespec.load("smollm2-self", n_ctx=1024))

@@ -21,8 +21,8 @@ from test_server import Server
 import edgespec
 from edgespec import Infill, Request, SamplingParams, fim_bench
 from edgespec.fim_bench import Keystroke, sessions
-from edgespec.llama_api import request_of
 from edgespec.run import PREFILL_CHUNK
+from edgespec.server.llama_api import request_of
 
 pytestmark = pytest.mark.slow  # the Qwen pair, behind a server
 

@@ -8,9 +8,9 @@ import pytest
 
 from edgespec import fim_bench
 from edgespec.fim import Chunk, FimTokens, Infill, layout
-from edgespec.llama_api import answers_of, request_of
 from edgespec.request import RequestError
 from edgespec.sampling import SamplingParams, distribution, infill
+from edgespec.server.llama_api import answers_of, request_of
 
 FIM = FimTokens(prefix=-1, suffix=-2, middle=-3, repo=-4, file_sep=-5)
 

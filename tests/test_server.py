@@ -19,8 +19,8 @@ from reference import assert_greedy_as_llama
 
 import edgespec
 from edgespec import Request, Stats
-from edgespec.answers import Answer, Job
 from edgespec.run import Event
+from edgespec.server.answers import Answer, Job
 
 CTX = 1024
 HELLO = [{"role": "user", "content": "Say hello in three words."}]

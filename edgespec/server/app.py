@@ -3,9 +3,9 @@ OpenAI's Responses API and llama-server's /completion and /infill (editors' code
 completion) over one Engine.
 
 One worker thread owns the engine (llama.cpp contexts are not shared between threads) and
-answers up to --parallel requests at once, a pass of each in turn, each in a sequence of its
-own (engine_thread.py, sequences.py); the KV cache of the prefix that consecutive requests
-share is reused by the engine. The event loop only reads,
+answers up to --parallel requests at once, their passes decoded together, each in a sequence
+of its own (../engine_thread.py, ../scheduler.py, ../sequences.py); the KV cache of the
+prefix that consecutive requests share is reused by the engine. The event loop only reads,
 validates and streams. Each API is a Dialect (answers.py): a translation of its request
 onto the one Request type, and its shapes for the answer; the engine path behind them is
 the same. Every answer carries its API's usage and a `speculative` object with what
@@ -31,17 +31,17 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..engine import Engine
+from ..engine_thread import EngineThread
+from ..errors import EdgespecError, PromptExceedsContext
+from ..fim import Infill
+from ..model import Pass
+from ..request import Request, RequestError
 from . import anthropic_api
 from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, log_answer, refused
-from .engine import Engine
-from .engine_thread import EngineThread
-from .errors import EdgespecError, PromptExceedsContext
-from .fim import Infill
 from .llama_api import LlamaServer
 from .metrics import Metrics, ServerLoad
-from .model import Pass
 from .openai_api import OpenAIChat
-from .request import Request, RequestError
 from .responses_api import Responses
 
 MAX_BODY = 8 << 20  # bytes: a whole source file as a prediction fits many times over

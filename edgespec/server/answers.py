@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 
 from starlette.responses import JSONResponse
 
-from .errors import PromptExceedsContext
-from .logprobs import TokenLogprob
-from .request import Request, RequestError
-from .run import Run
-from .stats import LOOPING, Stats
-from .tools import ToolCall
+from ..errors import PromptExceedsContext
+from ..logprobs import TokenLogprob
+from ..request import Request, RequestError
+from ..run import Run
+from ..stats import LOOPING, Stats
+from ..tools import ToolCall
 
 log = logging.getLogger("edgespec.serve")
 MAX_ANSWERS = 4  # answers to one request at most (OpenAI's n and best_of, llama-server's n_cmpl: its 4 slots)

@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator
 
 from starlette.responses import JSONResponse
 
+from ..request import Request, RequestError, stop_strings
+from ..stats import Stats
+from ..tools import ToolCall
 from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, refused, sse
 from .api_body import answer_limit, json_field, own_fields, sampling_of
-from .request import Request, RequestError, stop_strings
-from .stats import Stats
-from .tools import ToolCall
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 STOP_REASONS = {"stop": "end_turn", "stop_string": "stop_sequence", "length": "max_tokens", "context": "max_tokens"}

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .request import RequestError, checked
-from .sampling import DEFAULT as DEFAULT_SAMPLING
-from .sampling import SamplingParams
+from ..request import RequestError, checked
+from ..sampling import DEFAULT as DEFAULT_SAMPLING
+from ..sampling import SamplingParams
 
 
 def sampling_of(body: dict) -> SamplingParams:

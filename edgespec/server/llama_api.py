@@ -23,11 +23,11 @@ from dataclasses import replace
 
 from starlette.responses import JSONResponse
 
+from ..fim import Chunk, Infill
+from ..request import Request, RequestError
+from ..stats import Stats
 from .answers import MAX_ANSWERS, Answer, ApiError, Dialect, Job, Piece, refused, sse
 from .api_body import completion_prompt, constraint_of, json_field, own_fields, sampling_of
-from .fim import Chunk, Infill
-from .request import Request, RequestError
-from .stats import Stats
 
 # llama.cpp's sampler names (and their one-letter forms) -> the filter they switch on; None: accepted, left out
 SAMPLERS = {

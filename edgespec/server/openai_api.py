@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from ..fim import Infill
+from ..logprobs import TokenLogprob, top_count
+from ..request import Request, RequestError, checked
+from ..stats import Stats
+from ..tools import ToolCall
 from .answers import MAX_ANSWERS, Answer, Dialect, Job, refused, sse
 from .api_body import answer_limit, completion_prompt, constraint_of, json_field, own_fields, sampling_of, text_of
-from .fim import Infill
-from .logprobs import TokenLogprob, top_count
-from .request import Request, RequestError, checked
-from .stats import Stats
-from .tools import ToolCall
 
 FINISH_REASONS = {
     "stop": "stop",

@@ -14,11 +14,11 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from ..request import Request, RequestError
+from ..stats import Stats
+from ..tools import ToolCall
 from .answers import Answer, ApiError, Dialect, Job, log, refused, sse
 from .api_body import answer_limit, json_field, own_fields, sampling_of, text_of
-from .request import Request, RequestError
-from .stats import Stats
-from .tools import ToolCall
 
 MAX_STORED = 64  # responses kept for previous_response_id
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")

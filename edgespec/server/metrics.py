@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from .stats import Stats
+from ..stats import Stats
 
 
 @dataclass(frozen=True)
