@@ -18,6 +18,7 @@ they looked too slow. A pass over k tokens never costs more than k single steps
 from __future__ import annotations
 
 import math
+import os
 import time
 from time import perf_counter
 
@@ -40,6 +41,10 @@ FLASH_PROBE_SIZES = (1, 16)  # decode and a verify pass, timed with flash attent
 # So at the probe's shallow depth it must be ahead on both kinds of pass by this margin.
 FLASH_MARGIN = 0.02
 ROLLBACK_TRIES = 3  # checkpoints and restores timed (the fastest counts)
+# A pass whose threads had less than this share of their cores' time ran beside other
+# processes (a build, an indexer): its time says what the machine costs while crowded, not
+# what it costs, so a re-check taken then is refused (see Timer.crowded).
+CROWDED_SHARE = 0.7
 
 
 # --- the cache --------------------------------------------------------------------
@@ -65,11 +70,13 @@ class Timer:
     take one; tests give their own): timer(model, k, tries) is the fastest of `tries` passes
     over k tokens (other load only ever adds time) on top of what the cache holds, which is
     left as it was (a conversation's cache survives a re-check); an empty cache first gets a
-    short dummy prefix."""
+    short dummy prefix. `crowded` then says whether that fastest pass ran on a crowded CPU:
+    this process got less than CROWDED_SHARE of the time of the cores its threads run on."""
 
     def __init__(self) -> None:
         # points timed while choosing flash attention, reused by measure() (keyed by _key(model, ()))
         self.probed: dict[str, dict[int, float]] = {}
+        self.crowded = False
 
     def __call__(self, model: Model, k: int, tries: int) -> float:
         if not model.tokens:
@@ -78,16 +85,28 @@ class Timer:
             model.eval([0], rows=1)  # warm-up: first decodes allocate
             model.truncate(PROBE_DEPTH)
         base = len(model.tokens)
+        best, self.crowded = float("inf"), False
         if base + k > model.n_ctx:
             return float("nan")
-        best = float("inf")
         for _ in range(tries):
             model.checkpoint(k)  # (a recurrent state: timed apart, see measure_rollback)
-            start = perf_counter()
+            start, cpu = perf_counter(), time.process_time()
             model.eval(model.tokens[-1:] * k, rows=k)
-            best = min(best, perf_counter() - start)
+            seconds, cpu_seconds = perf_counter() - start, time.process_time() - cpu
+            if seconds < best:
+                best, self.crowded = seconds, _crowded(model, seconds, cpu_seconds)
             model.truncate(base)
         return best
+
+
+def _crowded(model: Model, seconds: float, cpu_seconds: float) -> bool:
+    """Whether a pass of `seconds` on the CPU that kept this process busy for `cpu_seconds`
+    (all its threads) ran beside other processes: llama.cpp's threads keep their cores busy
+    through a pass, unless the cores are taken from them. (On a GPU the CPU waits: never.)"""
+    if model.n_gpu_layers > 0:
+        return False
+    cores = min(model.n_threads, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    return cpu_seconds < CROWDED_SHARE * cores * seconds
 
 
 TIMER = Timer()  # this process's
@@ -97,12 +116,15 @@ def measure(model: Model, sizes, timer: Timer = TIMER) -> CostCurve:
     """Time each size: the single step a few times, the others once, and again (keeping
     the fastest) where a pass cost more than its tokens one at a time would. The single
     step is timed again at the end: if the machine's load changed meanwhile (the two
-    differ by DISTURBED, or a pass had to be timed again), every point is due for a
-    re-check at once, so a curve taken on a busy machine is renewed over the next answers."""
+    differ by DISTURBED, or a pass had to be timed again) or a pass ran on a crowded CPU,
+    every point is due for a re-check at once, so a curve taken on a busy machine is
+    renewed over the next answers."""
     sizes = [k for k in sizes if PROBE_DEPTH + k < model.n_ctx]
     known = timer.probed.get(_key(model, ()), {})
-    points = {k: known[k] if k in known else timer(model, k, 3 if k == 1 else 1) for k in sizes}
-    disturbed = False
+    points, disturbed = {}, False
+    for k in sizes:
+        points[k] = known[k] if k in known else timer(model, k, 3 if k == 1 else 1)
+        disturbed |= k not in known and timer.crowded
     for k in sizes:
         for _ in range(MEASURE_RETRIES):
             if k == 1 or points[k] <= pass_bound(k, points[1]):
@@ -111,7 +133,7 @@ def measure(model: Model, sizes, timer: Timer = TIMER) -> CostCurve:
             points[k] = min(points[k], timer(model, k, 1))
     if 1 in points:
         again = timer(model, 1, 3)
-        disturbed |= abs(again - points[1]) > DISTURBED * min(again, points[1])
+        disturbed |= timer.crowded or abs(again - points[1]) > DISTURBED * min(again, points[1])
         points[1] = min(points[1], again)
     curve = CostCurve(points)
     if disturbed:
@@ -183,12 +205,20 @@ def recheck(curves: list[tuple[Model, CostCurve]], *, every: bool = False, timer
 
 
 def _recheck(plans: list[tuple[Model, CostCurve, int]], timer: Timer) -> bool:
-    """Each plan's point timed again; False where one had no room left in the context."""
+    """Each plan's point timed again; False where one had no room left in the context, or the
+    CPU was crowded (then nothing is folded in: a busy machine's figures would stay, and
+    speculation would be ruled out where it pays once the machine is quiet again)."""
     steps: list[list[float]] = [[] for _ in plans]
-    passes = [timer(model, k, 1) for model, _, k in plans]
+    passes, crowded = [], False
+    for model, _, k in plans:
+        passes.append(timer(model, k, 1))
+        crowded |= timer.crowded
     for _ in range(2):  # the cheap single step twice (the faster counts)
         for (model, _, _), times in zip(plans, steps, strict=True):
             times.append(timer(model, 1, 1))
+            crowded |= timer.crowded
+    if crowded:
+        return False
     for (_, curve, k), times, seconds in zip(plans, steps, passes, strict=True):
         if not math.isnan(step := min(times)):  # NaN: no room left in the context
             curve.recheck(step, k, seconds)

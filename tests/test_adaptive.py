@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
@@ -224,6 +227,37 @@ def test_a_recheck_of_every_point_ends_where_a_pass_finds_no_room(smollm2):
     assert curve.due() == 8 and curve.checked[2] > 0  # 2 was timed, 8 stays due
 
 
+def test_a_recheck_on_a_crowded_cpu_is_refused(smollm2):
+    """Other processes held the cores while the re-check ran (a busy machine once stored V(2)
+    2.0 and V(16) 8.4 single steps against 1.7 and 6.9, and auto then drafted where it lost):
+    nothing of it is folded in, and the points stay due for a quieter moment."""
+    quiet = {1: 1.0, 2: 1.7, 16: 6.9}
+    busy = {1: 1.5, 2: 3.0, 16: 12.6}
+    curve = CostCurve(dict(quiet), checked={k: 0.0 for k in quiet})
+    calibration.recheck([(smollm2, curve)], every=True, timer=Scripted(lambda model, k: busy[k], crowded=True))
+    assert curve.points == quiet and curve.due() is not None
+    calibration.recheck([(smollm2, curve)], every=True, timer=Scripted(lambda model, k: busy[k]))
+    assert curve.points != quiet and curve.due() is None  # the same figures, timed on a CPU of its own
+
+
+def test_the_timer_knows_when_other_processes_take_the_cores(smollm2):
+    """A process spinning on each core the model's threads run on: the real timer says its
+    passes ran crowded; alone on the machine, not."""
+    timer = calibration.Timer()
+    timer(smollm2, 16, 3)
+    assert not timer.crowded
+    cores = len(os.sched_getaffinity(0))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.5)
+        timer(smollm2, 16, 3)
+        assert timer.crowded
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def test_a_pass_never_costs_more_than_its_tokens_one_at_a_time():
     """A curve timed while something else ran (the one a busy bench left in a real cache:
     V(2) = 9.3 and V(64) = 94 single steps) is bounded when it is read: passes of k tokens
@@ -240,11 +274,13 @@ def test_a_pass_never_costs_more_than_its_tokens_one_at_a_time():
 class Scripted(calibration.Timer):
     """A timer that says what each pass took instead of timing it."""
 
-    def __init__(self, seconds):
+    def __init__(self, seconds, crowded: bool = False):
         super().__init__()
         self.seconds = seconds  # (model, k) -> seconds
+        self.on_a_crowded_cpu = crowded
 
     def __call__(self, model, k, tries):
+        self.crowded = self.on_a_crowded_cpu
         return self.seconds(model, k)
 
 
