@@ -38,7 +38,7 @@ import numpy as np
 from .errors import EdgespecError
 from .fim import FimTokens
 from .kernels import choose_repack
-from .prompt_cache import MIN_TOKENS, PromptCache, common_prefix
+from .prompt_cache import MIN_RESTORED, MIN_TOKENS, PromptCache, common_prefix
 
 GGUF_MAGIC = b"GGUF"
 KV_MEMORY_SHARE = 0.25  # a default context's KV caches (all models of an engine) take at most this share of memory
@@ -500,12 +500,33 @@ class Model:
         """Keep the longest cached prefix of `tokens` this context can cut back to, but never
         the last token, whose logits the caller needs from a fresh eval; with a prompt cache, a
         saved state that shares more of `tokens` is brought back (and the one that would be cut,
-        kept). Returns how many tokens were kept: the caller evaluates the rest."""
+        kept); another sequence that holds more of them is copied in. Returns how many tokens
+        were kept: the caller evaluates the rest."""
         n = self.shares(tokens)
         # a prompt of another conversation (a round discards fewer): keep what would be lost, bring back a better one
         if self.prompt_cache is not None and max(len(tokens) - 1, len(self.tokens)) - n >= MIN_TOKENS:
             n = self.prompt_cache.swap(self, tokens, n)
-        return self.cut(n)
+        return self.cut(self._copy_from_neighbour(tokens, n))
+
+    def _copy_from_neighbour(self, tokens: list[int], kept: int) -> int:
+        """Where another sequence holds MIN_RESTORED more of `tokens` than this one keeps (an
+        agent's sub-agent, or its next turn while a side request runs, on the same long system
+        prompt), its state copied in (milliseconds, where reading the prompt again takes minutes
+        on a CPU); the tokens now shared. A recurrent state only where `tokens` continue all of it."""
+        limit = len(tokens) - 1
+
+        def reusable(seq: int) -> int:
+            held = self._sequences[seq].tokens
+            shared = common_prefix(held, tokens, limit)
+            return shared if not self.recurrent or shared == len(held) else 0
+
+        best = max((i for i in range(self.n_seq) if i != self.seq), key=reusable, default=None)
+        if best is None or (shared := reusable(best)) < kept + MIN_RESTORED:
+            return kept
+        data = self.save_state(best)
+        if data is None or not self.restore_state(list(self._sequences[best].tokens), data):
+            return self.shares(tokens)  # (restore_state leaves the sequence empty where llama.cpp refuses)
+        return shared
 
     def shares(self, tokens: list[int]) -> int:
         """How many of `tokens` (all but the last) the cache holds already."""
@@ -517,11 +538,12 @@ class Model:
         saved = self.prompt_cache.reusable(self, tokens) if self.prompt_cache is not None else 0
         return max(max(common_prefix(s.tokens, tokens, len(tokens)) for s in self._sequences), saved)
 
-    def save_state(self):
-        """The cache's contents (the sequence in use) as llama.cpp serializes them, or None."""
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, self.seq)
+    def save_state(self, seq: int | None = None):
+        """A sequence's contents (the one in use unless told) as llama.cpp serializes them, or None."""
+        seq = self.seq if seq is None else seq
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
         data = (ctypes.c_uint8 * size)()
-        return data if llama_cpp.llama_state_seq_get_data(self._ctx, data, size, self.seq) == size else None
+        return data if llama_cpp.llama_state_seq_get_data(self._ctx, data, size, seq) == size else None
 
     def restore_state(self, tokens: list[int], data) -> bool:
         """Load a state from save_state() that holds `tokens`; False (cache empty) if llama.cpp refuses it."""

@@ -4,9 +4,11 @@ The target's and the draft model's contexts hold `n_seq` sequences each (Model.u
 request answered at once; sequence i of the target goes with sequence i of the draft model. A
 run holds one from its first pass to its end: the free one whose cache shares most of its
 prompt (an editor's next keystroke finds the sequence its last one read), else the least
-recently used. A run never shares one: two runs taking turns in one sequence would each
-read its prompt again after the other's pass, and neither would get through a prefill; a
-library caller with more unfinished runs than sequences is told so.
+recently used; a start of its prompt that another sequence holds is copied over from it
+(Model.sync), so requests on one long system prompt read it once. A run never shares one:
+two runs taking turns in one sequence would each read its prompt again after the other's
+pass, and neither would get through a prefill; a library caller with more unfinished runs
+than sequences is told so.
 """
 
 from __future__ import annotations

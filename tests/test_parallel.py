@@ -116,6 +116,35 @@ def test_a_sequences_logits_do_not_depend_on_its_neighbours(twin_engine):
         target.truncate(0)
 
 
+def test_a_prompt_start_another_sequence_holds_is_copied_not_read_again(twin_engine):
+    """A run on a long system prompt is mid-answer in one sequence; a request on the same system
+    prompt (an agent's sub-agent, or its next turn beside a side request) starts in the other:
+    the shared start is copied from its neighbour, only its own part is read, and both answers
+    are Llama's."""
+    system = {"role": "system", "content": "You are a careful assistant who answers in one short sentence. " * 12}
+    chats = [[system, {"role": "user", "content": f"Name a {thing}."}] for thing in ("colour", "fruit")]
+    first = twin_engine.start(chats[0], temperature=0, max_tokens=12)
+    steps, first_tokens = twin_engine.steps(first), []
+    for step in steps:  # to its first token: its prompt is in its sequence
+        if isinstance(step, Pass):
+            twin_engine.decode([step])
+        else:
+            first_tokens.append(step.token)
+            break
+    second = twin_engine.start(chats[1], temperature=0, max_tokens=12)
+    (second_tokens,) = runs_in_turns(twin_engine, [second])
+    assert second.sequence != first.sequence
+    assert second.stats.n_prompt_cached > len(twin_engine.target.tokenize(system["content"])) > 100
+    for step in steps:
+        if isinstance(step, Pass):
+            twin_engine.decode([step])
+        elif not step.done:
+            first_tokens.append(step.token)
+    for chat, tokens in zip(chats, [first_tokens, second_tokens], strict=True):
+        assert_greedy_as_llama(f"copied prefix: {chat[1]['content']}", twin_engine, chat, tokens, limit=12)
+    assert not twin_engine.sequences.held
+
+
 ANIMAL = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSure! My favourite animal is the"
 
 
