@@ -105,7 +105,8 @@ def _crowded(model: Model, seconds: float, cpu_seconds: float) -> bool:
     through a pass, unless the cores are taken from them. (On a GPU the CPU waits: never.)"""
     if model.n_gpu_layers > 0:
         return False
-    cores = min(model.n_threads, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = min(model.n_threads, available)
     return cpu_seconds < CROWDED_SHARE * cores * seconds
 
 
@@ -219,10 +220,11 @@ def _recheck(plans: list[tuple[Model, CostCurve, int]], timer: Timer) -> bool:
             crowded |= timer.crowded
     if crowded:
         return False
-    for (_, curve, k), times, seconds in zip(plans, steps, passes, strict=True):
-        if not math.isnan(step := min(times)):  # NaN: no room left in the context
+    fastest = [min(times) for times in steps]
+    for (_, curve, k), step, seconds in zip(plans, fastest, passes, strict=True):
+        if not math.isnan(step):  # NaN: no room left in the context
             curve.recheck(step, k, seconds)
-    return not any(math.isnan(seconds) for seconds in passes + [min(times) for times in steps])
+    return not any(math.isnan(seconds) for seconds in passes + fastest)
 
 
 def choose_flash_attn(model: Model, timer: Timer = TIMER) -> bool:

@@ -38,7 +38,7 @@ import numpy as np
 from .errors import EdgespecError
 from .fim import FimTokens
 from .kernels import choose_repack
-from .prompt_cache import MIN_RESTORED, MIN_TOKENS, PromptCache, common_prefix
+from .prompt_cache import MIN_RESTORED, MIN_TOKENS, PromptCache, common_prefix, reusable_prefix
 
 GGUF_MAGIC = b"GGUF"
 KV_MEMORY_SHARE = 0.25  # a default context's KV caches (all models of an engine) take at most this share of memory
@@ -513,12 +513,9 @@ class Model:
         agent's sub-agent, or its next turn while a side request runs, on the same long system
         prompt), its state copied in (milliseconds, where reading the prompt again takes minutes
         on a CPU); the tokens now shared. A recurrent state only where `tokens` continue all of it."""
-        limit = len(tokens) - 1
 
         def reusable(seq: int) -> int:
-            held = self._sequences[seq].tokens
-            shared = common_prefix(held, tokens, limit)
-            return shared if not self.recurrent or shared == len(held) else 0
+            return reusable_prefix(self._sequences[seq].tokens, tokens, len(tokens) - 1, self.recurrent)
 
         best = max((i for i in range(self.n_seq) if i != self.seq), key=reusable, default=None)
         if best is None or (shared := reusable(best)) < kept + MIN_RESTORED:

@@ -64,6 +64,13 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return next(i for i in range(limit) if a[i] != b[i])
 
 
+def reusable_prefix(held: list[int], tokens: list[int], limit: int, recurrent: bool) -> int:
+    """How many of `tokens` (at most `limit`) a state holding `held` gives a prompt: their common
+    prefix; a recurrent state holds its whole prefix or nothing (it cannot be cut back)."""
+    shared = common_prefix(held, tokens, limit)
+    return shared if not recurrent or shared == len(held) else 0
+
+
 class PromptCache:
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
@@ -96,9 +103,7 @@ class PromptCache:
         """The saved state of `model` that shares most of `tokens` (at most `limit`), and how many."""
 
         def reusable(state: SavedState) -> int:
-            shared = common_prefix(state.tokens, tokens, limit)
-            # a recurrent state holds its whole prefix or nothing: it cannot be cut back
-            return shared if not model.recurrent or shared == len(state.tokens) else 0
+            return reusable_prefix(state.tokens, tokens, limit, model.recurrent)
 
         best = max((s for s in self.states if s.owner == id(model)), key=reusable, default=None)
         return best, reusable(best) if best else 0
