@@ -10,7 +10,9 @@ Beside other requests (a server's), a round's pass is decoded with theirs: V(γ+
 whole decode, V over each of the micro-batches llama.cpp splits it into (ubatch_sizes), and
 the controller weighs the tokens of the whole batch (see controller.py): drafts that would
 slow every neighbour down for less than they bring are left out, so that speculation stops
-by itself where the batch is full.
+by itself where the batch is full. The same prices decide how several answers to one prompt
+(n, n_cmpl) are made: side by side where a step of all of them costs much less than their steps
+one after another (answers_side_by_side).
 
 RoundCosts answers a request's controller from those curves, each kind of round's cost
 checked against the seconds it really took (LiveCost): the curves are timed now and then,
@@ -42,6 +44,12 @@ STALE_RATIO, STALE_ROUNDS = 0.8, 8.0
 DECAY = 0.99  # per round; after ~70 rounds old evidence counts half (as the controller's acceptance)
 ALL = "all"  # the live cost of every kind of round together
 RECHECK_SHARE = 0.05  # at most this share of an engine's time goes to timing costs again
+# answers to one prompt go side by side where a step of them all costs at most this share of their
+# steps one after another: else one after another, each drafted from the one before (answers to one
+# prompt are much alike), gains as much. Measured on a 2-core EPYC (Qwen pair, V(3) 0.85 of 3 steps):
+# llama.vscode's n_cmpl 3 of 48 tokens each took 2.23 s one after another, 2.52 s side by side (as
+# 3 requests), so the two break even near 0.75; from 0.6 down side by side clearly gains
+SIDE_BY_SIDE_SHARE = 0.6
 
 
 def ubatch_sizes(passes: Sequence[tuple[int, int]]) -> list[int]:
@@ -61,6 +69,12 @@ def ubatch_sizes(passes: Sequence[tuple[int, int]]) -> list[int]:
             if not left[seq]:
                 del left[seq]
     return sizes
+
+
+def answers_side_by_side(verify: CostCurve, count: int) -> bool:
+    """Whether `count` answers to one prompt are best made side by side, a step of each decoded
+    together (one micro-batch of a row per sequence: V(count)), rather than one after another."""
+    return verify(count) <= SIDE_BY_SIDE_SHARE * count * verify(1)
 
 
 @dataclass(frozen=True)

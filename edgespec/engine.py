@@ -10,7 +10,7 @@ from time import perf_counter
 from . import calibration
 from .chat import PromptTooLong, render
 from .controller import Controller, Drafters
-from .costs import MachineCosts, Recheck
+from .costs import MachineCosts, Recheck, answers_side_by_side
 from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter
 from .errors import EdgespecError, PromptExceedsContext
 from .fim import FimPrompt, FimTokens, Infill
@@ -123,6 +123,14 @@ class Engine:
                 self._idle = None
                 self.keystrokes.answered(idle.run.request, idle.run.layout, "".join(idle.text), idle=True)
         return True
+
+    def answers_together(self, count: int) -> bool:
+        """Whether `count` answers to one prompt (OpenAI's n, llama-server's n_cmpl) are made side
+        by side, each in a sequence of its own, their steps decoded together: where this machine
+        decodes them together for much less than one after another (costs.answers_side_by_side)
+        and there are sequences for them all. Else one after another, each drafted from the one
+        before (Request.answer)."""
+        return 1 < count <= self.target.n_seq and answers_side_by_side(self.costs.curve(self.target), count)
 
     def _idle_chunk(self) -> int:
         """Prompt tokens an idle pass reads: the most that take IDLE_PASS_S at most here (on a

@@ -195,7 +195,8 @@ class Request:
     def answer(self, index: int, previous: str, elapsed_s: float = 0.0) -> Request:
         """The request of answer `index` of several to this prompt (OpenAI's n, llama-server's
         n_cmpl), `elapsed_s` after the first began: a seeded request's seed + index, and (where the
-        request gives no prediction) the answer before as its predicted output. Answers to one
+        request gives no prediction) the answer before as its predicted output, where they are made
+        one after another (previous; "" side by side, see Engine.answers_together). Answers to one
         prompt are much alike, so the next is drafted from the last where they agree; each is still
         drawn from the target's law (the same answer as a request of that seed alone). The answers
         share line_deadline_s, as llama-server's slots, which answer side by side, do."""

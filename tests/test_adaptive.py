@@ -15,7 +15,7 @@ from replay import controller_on
 from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibration, cost_curve, store
 from edgespec.calibration import CostCurve
 from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
-from edgespec.costs import Batch, Recheck, ubatch_sizes
+from edgespec.costs import Batch, Recheck, answers_side_by_side, ubatch_sizes
 from edgespec.drafters import CopyDrafter
 from edgespec.stats import RoundReport, RoundTiming
 
@@ -77,6 +77,7 @@ def test_planning_learns_nothing():
 CPU = CostCurve({1: 1.0, 2: 1.46, 3: 1.85, 4: 1.63, 5: 2.18, 6: 2.46, 7: 2.97, 8: 2.98, 16: 3.68})  # issue 3's figures
 GPU = CostCurve({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.3, 32: 1.8})
 DRAFT = CostCurve({1: 0.3, 2: 0.33})
+QWEN_EPYC = CostCurve({1: 1.0, 2: 2.0, 4: 3.09, 8: 6.67})  # the Qwen 1.5B target on a 2-core AMD EPYC
 
 
 def adaptive(verify=GPU, draft=DRAFT):
@@ -583,3 +584,12 @@ def test_without_plain_rounds_the_speedup_is_against_the_step_as_the_rounds_ran(
         stats.record(RoundReport("copy", 3, 3, RoundTiming(0.0, 0.2), {}, 2.0, plain_step_s=0.1), 0.25)
     assert stats.baseline_tokens_per_s == pytest.approx(10.0)
     assert stats.measured_speedup == pytest.approx(16 / 1.0 / 10.0)  # 4 tokens a round, 0.25 s a round
+
+
+def test_answers_to_one_prompt_go_side_by_side_only_where_a_step_of_them_all_is_cheap():
+    """n, n_cmpl: on a flat curve (a GPU's) 2 to 4 answers decode together for little more than one
+    step; on a steep one (a 2-core CPU's) one after another, each drafted from the last, gains as
+    much; where the curve has a knee (issue 3's CPU: V(4) 1.85 steps), four go side by side."""
+    assert all(answers_side_by_side(GPU, count) for count in (2, 3, 4))
+    assert not any(answers_side_by_side(QWEN_EPYC, count) for count in (2, 3, 4))
+    assert [answers_side_by_side(CPU, count) for count in (2, 3, 4)] == [False, False, True]

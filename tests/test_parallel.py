@@ -2,6 +2,7 @@
 runs taken a step at a time in turn (as the server's EngineThread takes them); each answer is
 Llama's alone."""
 
+import asyncio
 import re
 import threading
 import time
@@ -12,10 +13,13 @@ import pytest
 from reference import assert_greedy_as_llama, chi_square_pvalue, law_after, reference_for
 from test_server import HELLO, Server
 
-from edgespec import EdgespecError, Engine, EngineThread
+from edgespec import EdgespecError, Engine, EngineThread, Request
 from edgespec.drafters import ModelDrafter
 from edgespec.engine_thread import REST_S
 from edgespec.model import Model, Pass
+from edgespec.run import PREFILL_CHUNK
+from edgespec.server.answers import Answer, Job
+from edgespec.server.app import Worker
 
 CTX = 1024
 RUNS = 1000  # seeded answers in the chi-square test
@@ -143,6 +147,50 @@ def test_a_prompt_start_another_sequence_holds_is_copied_not_read_again(twin_eng
     for chat, tokens in zip(chats, [first_tokens, second_tokens], strict=True):
         assert_greedy_as_llama(f"copied prefix: {chat[1]['content']}", twin_engine, chat, tokens, limit=12)
     assert not twin_engine.sequences.held
+
+
+def test_answers_to_one_prompt_made_side_by_side_copy_its_prompt_and_are_each_llamas(
+    twin_engine, smollm2_path, requantized_path
+):
+    """Where the machine's costs say so (Engine.answers_together; told so here), a job's three
+    answers (n_cmpl 3) are made side by side by the server's worker: the later two start once the
+    first has read the prompt, copy it from its sequence, and are decoded in the same steps as the
+    first; each is Llama's greedy answer."""
+    target = Model(smollm2_path, n_ctx=CTX, flash_attn=True, n_seq=3)
+    draft = Model(requantized_path, n_ctx=CTX, n_seq=3)
+    engine = Engine(target, ModelDrafter(draft, target.n_vocab), gamma=4, draft_mode="model", owned=[target, draft])
+    engine.answers_together = lambda count: True
+    decode, decoded = engine.decode, []
+    engine.decode = lambda passes: (decoded.append({p.seq for p in passes}), decode(passes))
+    prompt = "A list of the planets of the solar system, with one fact about each, one per line:\n" * 16
+
+    async def answers() -> list:
+        job = Job(Request.of(prompt, raw=True, temperature=0, max_tokens=16), count=3)
+        worker.submit(job)
+        answer, runs = Answer(job, await job.events[0].get()), []
+        while answer is not None:
+            await answer.whole()
+            runs.append(answer.run)
+            answer = await answer.following()
+        return runs
+
+    worker = Worker(lambda: engine, parallel=3)
+    try:
+        runs = asyncio.run(answers())
+    finally:
+        worker.stop()
+    assert len(runs) == 3 and len({run.sequence for run in runs}) == 3
+    assert any(len(seqs) == 3 for seqs in decoded), decoded  # a step of all three at once
+    n_prompt = len(twin_engine.target.tokenize(prompt))
+    assert n_prompt > PREFILL_CHUNK  # read in several passes: the others, started at once, would read it too
+    assert [run.stats.n_prompt_cached for run in runs[1:]] == [n_prompt - 1] * 2  # copied, not read again
+    for index, run in enumerate(runs):
+        answer = run.seq[len(run.prompt) :]
+        assert_greedy_as_llama(f"side by side, answer {index}", twin_engine, prompt, answer, raw=True, limit=16)
+
+
+def test_answers_to_one_prompt_go_side_by_side_only_with_a_sequence_each(twin_engine):
+    assert not twin_engine.answers_together(1) and not twin_engine.answers_together(3)  # it has two sequences
 
 
 ANIMAL = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSure! My favourite animal is the"

@@ -360,13 +360,13 @@ def test_answers_that_were_all_sent_before_they_are_read_stay_apart():
     next answer's Stats as an event."""
 
     async def read() -> list[str]:
-        job = Job(Request("hi"), count=3, events=asyncio.Queue())
-        for text in ("a", "", "c"):
+        job = Job(Request("hi"), count=3, events=[asyncio.Queue() for _ in range(3)])
+        for index, text in enumerate(("a", "", "c")):
             stats = Stats("target-only", "auto")
             run = SimpleNamespace(stats=stats)  # (what Answer reads of a Run)
             for item in (run, Event(text, 1, "target", stats), Event("", None, None, stats), None):
-                job.events.put_nowait(item)
-        texts, answer = [], Answer(job, await job.events.get())
+                job.events[index].put_nowait(item)
+        texts, answer = [], Answer(job, await job.events[0].get())
         while answer is not None:
             texts.append((await answer.whole()).text)
             answer = await answer.following()

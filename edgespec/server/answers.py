@@ -49,8 +49,9 @@ class ContextExceeded(ApiError):
 @dataclass(eq=False)  # each job is itself (kept in a set)
 class Job:
     """One request's generation: its request, how many answers and how the client wants them,
-    and the events the worker sends back to the event loop: per answer its Run once started,
-    its Events, then None; or one ApiError instead of an answer, which ends the job."""
+    and the events the worker sends back to the event loop, a queue per answer (they may be made
+    side by side): its Run once started, its Events, then None; or an ApiError instead (the
+    answers after it are not read), or None alone where the client left before it began."""
 
     request: Request
     stream: bool = False
@@ -61,7 +62,7 @@ class Job:
     echo: bool = False  # OpenAI completions' echo: the prompt comes back before each answer
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
+    events: list[asyncio.Queue] = field(default_factory=list)  # one per answer
 
     def capped(self, max_tokens: int | None) -> Job:
         """This job with the server's cap on an answer whose request sets no limit."""
@@ -69,10 +70,10 @@ class Job:
             return self
         return replace(self, request=replace(self.request, max_tokens=max_tokens))
 
-    def send(self, item) -> None:
-        """From the worker thread to the request's handler."""
+    def send(self, item, index: int = 0) -> None:
+        """From the worker thread to the request's handler: an event of answer `index`."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.events[index].put_nowait, item)
         except RuntimeError:  # the event loop is gone (shutting down)
             self.cancelled.set()
 
@@ -108,7 +109,7 @@ class Answer:
     async def following(self) -> Answer | None:
         """The job's next answer, once this one was read to its end (None: there is none, the
         client left); an ApiError if it could not start."""
-        started = await self.job.events.get() if self.index + 1 < self.job.count else None
+        started = await self.job.events[self.index + 1].get() if self.index + 1 < self.job.count else None
         if isinstance(started, ApiError):
             raise started
         return None if started is None else Answer(self.job, started, self.index + 1)
@@ -120,10 +121,11 @@ class Answer:
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The pieces until the last (done); an ApiError if generation failed on the way."""
-        pending = [await self.job.events.get()]
+        queue = self.job.events[self.index]
+        pending = [await queue.get()]
         while True:
-            while pending[-1] is not None and not self.job.events.empty():  # (past None: the next answer's)
-                pending.append(self.job.events.get_nowait())
+            while pending[-1] is not None and not queue.empty():
+                pending.append(queue.get_nowait())
             done = pending[-1] is None
             events = [e for e in pending if e is not None]
             if failure := next((e for e in events if isinstance(e, ApiError)), None):
@@ -132,7 +134,7 @@ class Answer:
             yield Piece(text, calls, self.stats, done, [e.logprob for e in events if e.logprob is not None])
             if done:
                 return
-            pending = [await self.job.events.get()]
+            pending = [await queue.get()]
 
     async def whole(self) -> Piece:
         """The answer in one piece."""

@@ -57,7 +57,7 @@ class Worker:
 
     def __init__(self, load: Callable[[], Engine], parallel: int = 1) -> None:
         self.engine: Engine | None = None
-        self._unfinished: set[Job] = set()  # submitted, not yet answered: told to stop on stop()
+        self._unfinished: set[tuple[Job, int]] = set()  # answers started, not yet ended: told to stop on stop()
         self.metrics = Metrics()
         self.thread = EngineThread(parallel=parallel)
         self._loading = self.thread.submit(self._load, load)
@@ -74,14 +74,18 @@ class Worker:
         return self._loading.result()
 
     def submit(self, job: Job) -> None:
-        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
-        self._unfinished.add(job)
-        self.thread.start(self._serve, job, interactive=isinstance(job.request.prompt, Infill))
+        job.loop, job.events = asyncio.get_running_loop(), [asyncio.Queue() for _ in range(job.count)]
+        self._start(job, 0, self._serve)
+
+    def _start(self, job: Job, index: int, work: Callable[..., Iterator[Pass]], *args) -> None:
+        """A task making the job's answer `index` (and, for _serve, maybe the ones after it)."""
+        self._unfinished.add((job, index))
+        self.thread.start(work, job, *args, interactive=isinstance(job.request.prompt, Infill))
 
     def stop(self) -> None:
         """Cancel what runs and what waits (each ends at its next round), close the engine,
         finish the thread."""
-        for job in list(self._unfinished):
+        for job, _ in list(self._unfinished):
             job.cancelled.set()
         self.thread.close(last=self._close)
 
@@ -93,14 +97,38 @@ class Worker:
             self.engine = self.thread.engine = None
 
     def _serve(self, job: Job) -> Iterator[Pass]:
-        """The job's answers, a target pass at a time (an EngineThread task)."""
+        """The job's answers, a target pass at a time (an EngineThread task): one after another,
+        each drafted from the one before; or, where this machine makes them side by side for much
+        less (Engine.answers_together), the first here and each of the others in a task of its own,
+        started once the first has read the prompt (which they copy from its sequence)."""
+        together = self.engine.answers_together(job.count)
+        previous, start = "", perf_counter()
         try:
-            if job.cancelled.is_set():  # a client that left while queued costs nothing
-                job.send(None)
-            else:
-                yield from self._generate(job)
+            for index in range(job.count):
+                if job.cancelled.is_set():  # a client that left costs nothing more; its handler hears so
+                    job.send(None, index)
+                    return
+                request = job.request.answer(index, previous, perf_counter() - start)
+                began = partial(self._start_others, job, start) if together else None
+                previous = yield from self._answer(job, index, request, began)
+                if previous is None or together:
+                    return
         finally:
-            self._unfinished.discard(job)
+            self._unfinished.discard((job, 0))
+
+    def _start_others(self, job: Job, start: float) -> None:
+        for index in range(1, job.count):
+            self._start(job, index, self._serve_beside, index, start)
+
+    def _serve_beside(self, job: Job, index: int, start: float) -> Iterator[Pass]:
+        """Answer `index` of a job whose answers are made side by side (an EngineThread task)."""
+        try:
+            if job.cancelled.is_set():
+                job.send(None, index)
+            else:
+                yield from self._answer(job, index, job.request.answer(index, "", perf_counter() - start))
+        finally:
+            self._unfinished.discard((job, index))
 
     def load(self) -> ServerLoad:
         """Requests running and waiting, and the target's cache, now (read from any thread)."""
@@ -108,49 +136,45 @@ class Worker:
         target = self.engine.target
         return ServerLoad(running, waiting, target.cells_used, target.n_ctx * target.n_seq)
 
-    def _generate(self, job: Job) -> Iterator[Pass]:
-        previous, start = "", perf_counter()
-        for index in range(job.count):
-            if index and job.cancelled.is_set():
-                job.send(None)  # whoever waits for the next answer hears there is none
-                return
-            previous = yield from self._answer(job, job.request.answer(index, previous, perf_counter() - start))
-            if previous is None:
-                return
-
-    def _answer(self, job: Job, request: Request) -> Iterator[Pass]:
-        """One answer of the job, a step at a time: its Run, its events, then None; returns the
-        answer's text, or None where it failed (an ApiError sent instead)."""
+    def _answer(
+        self, job: Job, index: int, request: Request, began: Callable[[], None] | None = None
+    ) -> Iterator[Pass]:
+        """Answer `index` of the job, a step at a time: its Run, its events, then None; returns the
+        answer's text, or None where it failed (an ApiError sent instead). began: called once the
+        prompt is read (with the first event)."""
         try:
             run = self.engine.start(request, cancelled=job.cancelled)
         except PromptExceedsContext as e:
-            job.send(ContextExceeded(e))
+            job.send(ContextExceeded(e), index)
             return None
         except EdgespecError as e:  # a parameter is out of range, a template fails, ...
-            job.send(ApiError(400, str(e)))
+            job.send(ApiError(400, str(e)), index)
             return None
-        job.send(run)  # the request is good: its answer may begin before the prefill
+        job.send(run, index)  # the request is good: its answer may begin before the prefill
         text = []
         steps = self.engine.steps(run)  # a cancelled run ends at its next prefill chunk or round
         try:
             for event in steps:
                 if isinstance(event, Pass):
                     yield event  # decoded with the other runs' passes
-                else:
-                    job.send(event)
-                    text.append(event.text)
+                    continue
+                job.send(event, index)
+                text.append(event.text)
+                if began is not None:  # the prompt is read: the answers beside this one copy it
+                    began()
+                    began = None
         except EdgespecError as e:  # the request's grammar stopped working (see grammar.py)
-            job.send(ApiError(400, str(e)))
+            job.send(ApiError(400, str(e)), index)
             return None
         except Exception as e:  # a llama.cpp failure: answer 500, keep serving
             log.error("generation failed: %s: %s", type(e).__name__, e)
-            job.send(ApiError(500, f"generation failed ({type(e).__name__})"))
+            job.send(ApiError(500, f"generation failed ({type(e).__name__})"), index)
             return None
         finally:
             steps.close()
         log_answer(run.stats)  # here, not where it is read: an answer whose client left is logged too
         self.metrics.add(run.stats)
-        job.send(None)
+        job.send(None, index)
         return "".join(text)
 
 
@@ -258,7 +282,7 @@ class Api:
             job = dialect.job(body).capped(self.max_tokens)
             self.worker.submit(job)
             watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-            started = await job.events.get()  # the Run once the request is checked
+            started = await job.events[0].get()  # the Run once the request is checked
             if started is None:  # the client left while its request waited for its turn
                 log.info("%s %s: the client left before its answer started", request.method, request.url.path)
                 return Response(status_code=499)
