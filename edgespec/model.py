@@ -127,7 +127,8 @@ _uses = itertools.count(1)
 class Pass:
     """A sequence's next tokens, decoded beside the other sequences' (Model.decode): then the
     logits of its last `rows` tokens (a view into llama.cpp's buffer, as eval's: valid until the
-    model's next decode), or the error that stopped it."""
+    model's next decode), or the error that stopped it. A pass of no tokens is a run waiting a
+    step (for another to read the prompt they share, see Sequences.reading_ahead)."""
 
     seq: int
     tokens: list[int]
@@ -608,7 +609,8 @@ class Model:
         logits, or its error. A recurrent model decodes each pass alone (its snapshots
         are of the last pass), as does a pass longer than n_batch (eval chunks it)."""
         groups: list[list[Pass]] = []
-        for one in sorted(passes, key=lambda p: p.seq):  # llama.cpp batches consecutive sequences together
+        # llama.cpp batches consecutive sequences together
+        for one in sorted((p for p in passes if p.tokens), key=lambda p: p.seq):
             fits = groups and sum(len(p.tokens) for p in groups[-1]) + len(one.tokens) <= self.n_batch
             if fits and not self.recurrent:
                 groups[-1].append(one)

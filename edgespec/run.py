@@ -137,6 +137,7 @@ class Run:
         self.stats.n_prompt_cached = target.cut(0) if scored else target.sync(prompt)
         if scored:  # nothing comes before the first token to score it
             self.prompt_logprobs = [TokenLogprob(prompt[0], target.piece(prompt[0]), None)]
+        waited = False  # for another run reading this prompt's start: once
         while True:
             if self._cancelled():
                 return False
@@ -144,13 +145,31 @@ class Run:
             at = len(target.tokens)
             if at >= len(prompt) - 1:
                 break
+            if not (scored or waited) and (waited := (yield from self._waited(at))):  # copy what it read
+                self.enter()
+                self.stats.n_prompt_cached = target.sync(prompt)
+                continue
             chunk = prompt[at : min(at + self.prefill_chunk, len(prompt) - 1)]
             logits = (yield from self._pass(chunk, len(chunk) if scored else None)).logits
             if scored:  # the row of prompt[i] scores prompt[i + 1]
                 following = prompt[at + 1 : at + len(chunk) + 1]
                 self.prompt_logprobs += token_logprobs(logits, following, self.request.logprobs or 0, target.piece)
+        self.sequences.read(self.sequence)
         self.controller.begin(prompt, room=min(target.n_ctx, self.limit - 1) - len(prompt))
         return True
+
+    def _waited(self, have: int) -> Iterator[Pass]:
+        """Steps waited (passes of no tokens) while a run that began before this one reads more of
+        this prompt than the cache's `have` tokens (Sequences.reading_ahead) and gets on with it (a
+        run whose passes are not decoded, a library caller's, is waited for one step); returns
+        whether it waited."""
+        seen = None
+        while (progress := self.sequences.reading_ahead(self.sequence, self.prompt, have)) not in (None, seen):
+            seen = progress
+            yield Pass(self.sequence, [])
+            if self._cancelled():
+                break
+        return seen is not None
 
     def _pass(self, tokens: list[int], rows: int | None) -> Iterator[Pass]:
         """A pass of the target over `tokens` in this run's sequence, handed out to be decoded;

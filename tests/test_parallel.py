@@ -149,12 +149,48 @@ def test_a_prompt_start_another_sequence_holds_is_copied_not_read_again(twin_eng
     assert not twin_engine.sequences.held
 
 
+def test_two_requests_sent_together_on_one_new_prompt_read_it_once(twin_engine):
+    """Two chats on one long system prompt that no sequence holds yet, started in the same step
+    (an agent's side request sent with its main one): the second waits while the first reads the
+    shared start, then copies it; both answers are Llama's."""
+    system = {"role": "system", "content": "You are a terse assistant; reply with a single word. " * 14}
+    chats = [[system, {"role": "user", "content": f"Name a {thing}."}] for thing in ("metal", "river")]
+    runs = [twin_engine.start(chat, temperature=0, max_tokens=8) for chat in chats]
+    answers = runs_in_turns(twin_engine, runs)
+    assert runs[0].stats.n_prompt_cached < 10  # (the chat template's opening, held from earlier chats)
+    assert runs[1].stats.n_prompt_cached > len(twin_engine.target.tokenize(system["content"])) > 150
+    for chat, tokens in zip(chats, answers, strict=True):
+        assert_greedy_as_llama(f"read once: {chat[1]['content']}", twin_engine, chat, tokens, limit=8)
+
+
+def test_a_run_whose_reader_makes_no_progress_reads_its_prompt_itself(twin_engine):
+    """A library caller's run stopped at its first prompt pass (not decoded) is waited for one
+    step, not for ever: the other run reads the prompt itself."""
+    prompt = "The history of the printing press, told in ten short chapters. " * 12
+    stalled = twin_engine.start(prompt, raw=True, temperature=0, max_tokens=4)
+    stalled_steps = twin_engine.steps(stalled)
+    assert isinstance(next(stalled_steps), Pass)  # it holds a sequence and reads the prompt: never decoded
+    reader = twin_engine.start(prompt, raw=True, temperature=0, max_tokens=4)
+    tokens, steps = [], 0
+    for step in twin_engine.steps(reader):
+        steps += 1
+        assert steps < 100, "it waits for a run that makes no progress"
+        if isinstance(step, Pass):
+            twin_engine.decode([step])
+        elif not step.done:
+            tokens.append(step.token)
+    stalled_steps.close()
+    assert reader.stats.n_prompt_cached == 0
+    assert_greedy_as_llama("read itself", twin_engine, prompt, tokens, raw=True, limit=4)
+    assert not twin_engine.sequences.held and not twin_engine.sequences.reading
+
+
 def test_answers_to_one_prompt_made_side_by_side_copy_its_prompt_and_are_each_llamas(
     twin_engine, smollm2_path, requantized_path
 ):
     """Where the machine's costs say so (Engine.answers_together; told so here), a job's three
-    answers (n_cmpl 3) are made side by side by the server's worker: the later two start once the
-    first has read the prompt, copy it from its sequence, and are decoded in the same steps as the
+    answers (n_cmpl 3) are made side by side by the server's worker: the later two wait for the
+    first to read the prompt, copy it from its sequence, and are decoded in the same steps as the
     first; each is Llama's greedy answer."""
     target = Model(smollm2_path, n_ctx=CTX, flash_attn=True, n_seq=3)
     draft = Model(requantized_path, n_ctx=CTX, n_seq=3)
@@ -182,7 +218,7 @@ def test_answers_to_one_prompt_made_side_by_side_copy_its_prompt_and_are_each_ll
     assert len(runs) == 3 and len({run.sequence for run in runs}) == 3
     assert any(len(seqs) == 3 for seqs in decoded), decoded  # a step of all three at once
     n_prompt = len(twin_engine.target.tokenize(prompt))
-    assert n_prompt > PREFILL_CHUNK  # read in several passes: the others, started at once, would read it too
+    assert n_prompt > PREFILL_CHUNK  # read in several passes: the others wait for them all
     assert [run.stats.n_prompt_cached for run in runs[1:]] == [n_prompt - 1] * 2  # copied, not read again
     for index, run in enumerate(runs):
         answer = run.seq[len(run.prompt) :]

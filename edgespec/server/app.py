@@ -99,34 +99,33 @@ class Worker:
     def _serve(self, job: Job) -> Iterator[Pass]:
         """The job's answers, a target pass at a time (an EngineThread task): one after another,
         each drafted from the one before; or, where this machine makes them side by side for much
-        less (Engine.answers_together), the first here and each of the others in a task of its own,
-        started once the first has read the prompt (which they copy from its sequence)."""
-        together = self.engine.answers_together(job.count)
+        less (Engine.answers_together), the first here and each of the others in a task of its own
+        (which waits for the first to read the prompt, then copies it: see sequences.py)."""
+        count = job.count
+        if self.engine.answers_together(count):
+            for index in range(1, count):
+                self._start(job, index, self._serve_beside, index)
+            count = 1
         previous, start = "", perf_counter()
         try:
-            for index in range(job.count):
+            for index in range(count):
                 if job.cancelled.is_set():  # a client that left costs nothing more; its handler hears so
                     job.send(None, index)
                     return
                 request = job.request.answer(index, previous, perf_counter() - start)
-                began = partial(self._start_others, job, start) if together else None
-                previous = yield from self._answer(job, index, request, began)
-                if previous is None or together:
+                previous = yield from self._answer(job, index, request)
+                if previous is None:
                     return
         finally:
             self._unfinished.discard((job, 0))
 
-    def _start_others(self, job: Job, start: float) -> None:
-        for index in range(1, job.count):
-            self._start(job, index, self._serve_beside, index, start)
-
-    def _serve_beside(self, job: Job, index: int, start: float) -> Iterator[Pass]:
+    def _serve_beside(self, job: Job, index: int) -> Iterator[Pass]:
         """Answer `index` of a job whose answers are made side by side (an EngineThread task)."""
         try:
             if job.cancelled.is_set():
                 job.send(None, index)
             else:
-                yield from self._answer(job, index, job.request.answer(index, "", perf_counter() - start))
+                yield from self._answer(job, index, job.request.answer(index, ""))
         finally:
             self._unfinished.discard((job, index))
 
@@ -136,12 +135,9 @@ class Worker:
         target = self.engine.target
         return ServerLoad(running, waiting, target.cells_used, target.n_ctx * target.n_seq)
 
-    def _answer(
-        self, job: Job, index: int, request: Request, began: Callable[[], None] | None = None
-    ) -> Iterator[Pass]:
+    def _answer(self, job: Job, index: int, request: Request) -> Iterator[Pass]:
         """Answer `index` of the job, a step at a time: its Run, its events, then None; returns the
-        answer's text, or None where it failed (an ApiError sent instead). began: called once the
-        prompt is read (with the first event)."""
+        answer's text, or None where it failed (an ApiError sent instead)."""
         try:
             run = self.engine.start(request, cancelled=job.cancelled)
         except PromptExceedsContext as e:
@@ -160,9 +156,6 @@ class Worker:
                     continue
                 job.send(event, index)
                 text.append(event.text)
-                if began is not None:  # the prompt is read: the answers beside this one copy it
-                    began()
-                    began = None
         except EdgespecError as e:  # the request's grammar stopped working (see grammar.py)
             job.send(ApiError(400, str(e)), index)
             return None
