@@ -23,13 +23,15 @@ decays toward the prior, so a drafter switched off for losing is tried again lat
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .cost_curve import expected_tokens
 from .costs import DECAY, RoundCosts
-from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter
+from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter, ModelDrafter
+from .model import Pass, decoded_alone
 from .modes import DraftMode, Gamma, Source, adaptive
 from .prompt_cache import common_prefix
 from .sampling import Constraint, SamplingParams
@@ -191,7 +193,14 @@ class Controller:
         self._rng = np.random.default_rng(seed)  # the Thompson draws
 
     def begin(self, prompt: list[int], room: int | None = None) -> None:
-        """Get the drafters ready to draft after `prompt`. room: the answer's tokens at most; in
+        """begin_steps(), the draft model's passes decoded alone."""
+        decoded_alone(self.begin_steps(prompt, room))
+
+    def begin_steps(
+        self, prompt: list[int], room: int | None = None, chunk: int | None = None
+    ) -> Generator[Pass, None, None]:
+        """Get the drafters ready to draft after `prompt`, the draft model's passes handed out
+        (`chunk` tokens at most each). room: the answer's tokens at most; in
         auto mode, a draft model whose prefill (the tokens its cache lacks) would cost more than it
         can save over that many tokens is left out of the request: a 20k-token agent prompt is
         minutes of a CPU's time for a draft model, and a short answer never earns them back."""
@@ -202,7 +211,10 @@ class Controller:
             if missing * self.costs.draft_prefill_per_token() > room * self._model_saving(MODEL_GATE_ALPHA):
                 del self.drafters[Source.MODEL]
         for drafter in self.drafters.values():
-            drafter.begin(prompt)
+            if isinstance(drafter, ModelDrafter):
+                yield from drafter.begin_steps(prompt, chunk)
+            else:
+                drafter.begin(prompt)
 
     def _model_per_token(self, alpha: float) -> float:
         """Seconds per answer token with the draft model at its best γ at α."""
@@ -313,8 +325,20 @@ class Controller:
         rng: np.random.Generator,
         grammar: Constraint | None = None,
     ) -> Draft:
-        """The plan's draft (possibly empty: speculation off for the round); under a constraint
-        `grammar` (in its state after `context`), one it allows."""
+        """draft_steps(), the draft model's passes decoded alone."""
+        return decoded_alone(self.draft_steps(plan, context, params, rng, grammar))
+
+    def draft_steps(
+        self,
+        plan: Plan,
+        context: list[int],
+        params: SamplingParams,
+        rng: np.random.Generator,
+        grammar: Constraint | None = None,
+    ) -> Generator[Pass, None, Draft]:
+        """The plan's draft (possibly empty: speculation off for the round), the draft model's
+        passes handed out; under a constraint `grammar` (in its state after `context`), one it
+        allows."""
         if plan.source is Source.OFF:
             return Draft([], None, source=Source.OFF)
         if plan.draft is not None:
@@ -325,7 +349,10 @@ class Controller:
             # what its extra cost (one draft step + the verify batch growing) earns at this plan's rate
             step, verify = self.costs.draft_step(), self.costs.in_batch
             stop_below = [plan.rate * (step + verify(i + 2) - verify(i + 1)) for i in range(plan.gamma)]
-        return self.drafters[plan.source].draft(context, plan.gamma, params, rng, stop_below, grammar=grammar)
+        drafter = self.drafters[plan.source]
+        if isinstance(drafter, ModelDrafter):
+            return (yield from drafter.draft_steps(context, plan.gamma, params, rng, stop_below, grammar=grammar))
+        return drafter.draft(context, plan.gamma, params, rng, stop_below, grammar=grammar)
 
     def observe(
         self, plan: Plan, draft: Draft, n_accepted: int, timing: RoundTiming, context: list[int]

@@ -9,14 +9,14 @@ given) is the distribution each token was drawn from.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from .grammar import MAX_FORCED_CHARS
-from .model import Model
+from .model import Model, Pass, decoded_alone
 from .modes import Source
 from .sampling import Constraint, Law, SamplingParams, law
 
@@ -77,24 +77,38 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """Drafts with a small model sharing the target's tokenizer."""
+    """Drafts with a small model sharing the target's tokenizer. Its passes are handed out
+    (begin_steps, draft_steps: each a model.Pass of the draft model) so that a scheduler decodes
+    them with other runs' draft passes, every sequence's step reading the weights once; begin and
+    draft decode them alone."""
 
     def __init__(self, model: Model, target_vocab: int) -> None:
         self.model = model
         self.target_vocab = target_vocab  # drafts stay within the ids the target has
 
     def begin(self, prompt: list[int]) -> None:
-        kept = self.model.sync(prompt)
-        self.model.eval(prompt[kept:-1])
+        decoded_alone(self.begin_steps(prompt))
+
+    def begin_steps(self, prompt: list[int], chunk: int | None = None) -> Generator[Pass, None, None]:
+        """begin(), its passes handed out: `chunk` tokens at most each (None: all in one), so that a
+        long prompt's read holds the other runs' steps up for one pass at most."""
+        ahead = prompt[self.model.sync(prompt) : -1]
+        step = chunk or max(1, len(ahead))
+        for at in range(0, len(ahead), step):
+            yield from self._pass(ahead[at : at + step])
 
     def accept(self, context: list[int]) -> None:
         """Drop the rejected drafts from the cache (the tokens the target added are read at the next draft)."""
         self.model.sync(context)
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None) -> Draft:
+        return decoded_alone(self.draft_steps(context, n, params, rng, stop_below, grammar))
+
+    def draft_steps(self, context, n, params, rng, stop_below=(), grammar=None) -> Generator[Pass, None, Draft]:
+        """draft(), its passes handed out."""
         model = self.model
         walk = grammar.clone() if grammar is not None else None  # the constraint along this draft
-        logits = model.eval(context[len(model.tokens) :])  # the tokens written since its last draft
+        logits = yield from self._pass(context[len(model.tokens) :])  # the tokens written since its last draft
         model.checkpoint()  # a recurrent state: the next round's sync comes back here
         tokens: list[int] = []
         q_rows: list[Law] | None = None if params.greedy else []  # the laws the tokens were drawn from
@@ -124,8 +138,16 @@ class ModelDrafter:
                 break
             if walk is not None:
                 walk.accept(token)
-            logits = model.eval([token])
+            logits = yield from self._pass([token])
         return Draft(tokens, q_rows, source=Source.MODEL)
+
+    def _pass(self, tokens: list[int]) -> Generator[Pass, None, np.ndarray]:
+        """A pass of the draft model over `tokens` in its sequence, handed out to be decoded; its
+        last row (the model back on this sequence)."""
+        one = Pass(self.model.seq, tokens, model=self.model)
+        yield one
+        self.model.use(one.seq)
+        return one.result()
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,8 @@ class Engine:
                 yield step
 
     def steps(self, run: Run) -> Iterator[Event | Pass]:
-        """events(), with the run's target passes handed out to be decoded (decode()): a scheduler
+        """events(), with the run's passes (the target's, the draft model's) handed out to be decoded
+        (decode()): a scheduler
         that runs several requests at once (engine_thread.py) takes each a pass at a time, and
         decodes their passes together."""
         text = []
@@ -339,8 +340,10 @@ class Engine:
             yield event
 
     def decode(self, passes: list[Pass]) -> None:
-        """The target's passes of several runs (steps()), decoded together (Model.decode)."""
-        self.target.decode(passes)
+        """The passes of several runs (steps()), each model's decoded together (Model.decode)."""
+        for model in self.models:
+            if mine := [one for one in passes if one.model is model]:
+                model.decode(mine)
 
     @property
     def models(self) -> list[Model]:

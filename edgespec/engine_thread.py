@@ -7,7 +7,7 @@ their work to an EngineThread.
 
 It runs two kinds of work. A job (submit) runs whole, between two steps of the rest:
 loading, counting tokens, the chat app's answer. A task (start) is a generator that yields
-at each target pass it needs decoded (a prefill chunk, a round's verify pass): a Scheduler
+at each pass it needs decoded (a prefill chunk, a draft step, a round's verify pass): a Scheduler
 (scheduler.py) runs up to `parallel` of them at once, decoding their passes together, so
 that a request's wait never depends on the length of another's answer.
 

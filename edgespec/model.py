@@ -26,10 +26,11 @@ import enum
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
+from typing import TypeVar
 
 import llama_cpp
 import llama_cpp._logger
@@ -133,6 +134,7 @@ class Pass:
     seq: int
     tokens: list[int]
     rows: int | None = None  # None: the last token's row alone, shape (n_vocab,); else (rows, n_vocab)
+    model: Model | None = None  # whose pass it is (the target's or the draft model's: Engine.decode)
     logits: np.ndarray | None = None
     error: Exception | None = None  # ContextFull, or a failed decode (EdgespecError)
     seconds: float = 0.0  # the decode it was part of
@@ -143,6 +145,19 @@ class Pass:
         if self.error is not None:
             raise self.error
         return self.logits
+
+
+T = TypeVar("T")
+
+
+def decoded_alone(steps: Generator[Pass, None, T]) -> T:
+    """What a generator of passes returns, each pass decoded alone as it comes."""
+    while True:
+        try:
+            one = next(steps)
+        except StopIteration as end:
+            return end.value
+        one.model.decode([one])
 
 
 @dataclass(frozen=True)

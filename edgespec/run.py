@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from .stats import RoundTiming, Stats, trailing_repeat
 from .text import TextStream
 
 PREFILL_CHUNK = 256  # prompt tokens a prefill pass reads: a cancelled run stops after one
+T = TypeVar("T")
 
 
 @dataclass
@@ -106,9 +108,9 @@ class Run:
 
     def steps(self) -> Iterator[Event | Pass]:
         """Prefill, then the answer's tokens as events; the last has token None, the remaining
-        text and the final stats. Each of the target's passes is handed out to be decoded
-        (Model.decode, where other runs' passes may join it) before the run goes on: Engine.events
-        decodes it alone, a scheduler with the others'. A run cancelled (from another thread) stops
+        text and the final stats. Each pass of the target and of the draft model is handed out to
+        be decoded (Engine.decode, where other runs' passes may join it) before the run goes on:
+        Engine.events decodes it alone, a scheduler with the others'. A run cancelled (from another thread) stops
         at its next prefill chunk or round, with finish_reason "cancelled"."""
         stats, start = self.stats, perf_counter()
         self.sequence = self.sequences.hold(self.prompt)
@@ -155,7 +157,8 @@ class Run:
                 following = prompt[at + 1 : at + len(chunk) + 1]
                 self.prompt_logprobs += token_logprobs(logits, following, self.request.logprobs or 0, target.piece)
         self.sequences.read(self.sequence)
-        self.controller.begin(prompt, room=min(target.n_ctx, self.limit - 1) - len(prompt))
+        room = min(target.n_ctx, self.limit - 1) - len(prompt)
+        yield from self.controller.begin_steps(prompt, room, self.prefill_chunk)  # the draft model's prefill
         return True
 
     def _waited(self, have: int) -> Iterator[Pass]:
@@ -166,7 +169,7 @@ class Run:
         seen = None
         while (progress := self.sequences.reading_ahead(self.sequence, self.prompt, have)) not in (None, seen):
             seen = progress
-            yield Pass(self.sequence, [])
+            yield Pass(self.sequence, [], model=self.target)
             if self._cancelled():
                 break
         return seen is not None
@@ -175,7 +178,7 @@ class Run:
         """A pass of the target over `tokens` in this run's sequence, handed out to be decoded;
         returns it decoded (its logits: see Model.eval), the models back on this run's sequence.
         Raises what stopped it (ContextFull, EdgespecError)."""
-        decoded = Pass(self.sequence, tokens, rows)
+        decoded = Pass(self.sequence, tokens, rows, model=self.target)
         yield decoded
         self.enter()
         decoded.result()
@@ -247,8 +250,11 @@ class Run:
             # the controller picks a drafter and γ (or none); drafts past the context or the budget are wasted
             room = min(target.n_ctx - len(seq), self.limit - len(seq) - 1)
             plan = controller.plan(seq, room, constraint)
-            draft = controller.draft(plan, seq, params, self.rng, constraint)
+            t_plan = perf_counter()
+            draft, drafting = yield from _own_time(controller.draft_steps(plan, seq, params, self.rng, constraint))
+            self.enter()  # (other runs' steps may have come between its draft model's passes)
             t1 = perf_counter()
+            beside = (t1 - t_plan) - drafting  # the other runs' steps while its draft model's passes waited
 
             # a recurrent state cannot be cut back: keep a way back before a pass that may be rejected
             if draft.tokens:
@@ -279,10 +285,13 @@ class Run:
             seq += new
             rollback = (t_pass - t1) + (perf_counter() - t3)
             # the verify pass is its decode's time (the other runs' steps between are theirs)
-            timing = RoundTiming(t1 - t0, target_pass.seconds + t2 - t_decoded, rollback, rereads, target_pass.beside)
+            timing = RoundTiming(
+                t1 - t0 - beside, target_pass.seconds + t2 - t_decoded, rollback, rereads, target_pass.beside
+            )
             report = controller.observe(plan, draft, n, timing, seq)
-            # its own time: the other runs' steps while it waited for its decode are theirs
-            self.stats.record(report, (t_pass - t0) + target_pass.seconds + (perf_counter() - t_decoded) - (t3 - t2))
+            # its own time: the other runs' steps while it waited for its decodes are theirs
+            own = (t_pass - t0 - beside) + target_pass.seconds + (perf_counter() - t_decoded) - (t3 - t2)
+            self.stats.record(report, own)
             yield [
                 NewToken(token, i < n, logprob) for i, (token, logprob) in enumerate(zip(new, logprobs, strict=True))
             ]
@@ -333,3 +342,18 @@ class TargetRows:
         while self.walked < i:
             self.constraint.accept(self.draft[self.walked])
             self.walked += 1
+
+
+def _own_time(steps: Generator[Pass, None, T]) -> Generator[Pass, None, tuple[T, float]]:
+    """steps' passes handed out; returns what it returns, and its own seconds: its work and its
+    passes' decodes, not the other runs' steps between."""
+    own, start = 0.0, perf_counter()
+    try:
+        while True:
+            one = next(steps)
+            own += perf_counter() - start
+            yield one
+            own += one.seconds
+            start = perf_counter()
+    except StopIteration as end:
+        return end.value, own + perf_counter() - start

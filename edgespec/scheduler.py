@@ -1,7 +1,7 @@
-"""Several runs at once: a step takes each to its next target pass, then decodes their passes
-together (Engine.decode: one llama_decode where they fit a batch, so every request's next rows
-read the weights once). A run's round stays its own (plan, draft, verify, accept, cut back);
-the scheduler only gathers the rows.
+"""Several runs at once: a step takes each to its next pass (the target's, or its draft model's),
+then decodes their passes together (Engine.decode: one llama_decode per model where they fit a
+batch, so every request's next rows read the weights once). A run's round stays its own (plan,
+draft, verify, accept, cut back); the scheduler only gathers the rows.
 
 Up to `parallel` tasks run at once, each in its own sequence of the models' contexts; the
 ones beyond wait in the order they came. Interactive tasks (an editor's completion, which its
@@ -21,8 +21,8 @@ from .model import Pass
 
 @dataclass(eq=False)
 class Task:
-    """A generator work(*args) run a step at a time, yielding at each target pass it needs
-    decoded; what it returns, or raises, goes in the future."""
+    """A generator work(*args) run a step at a time, yielding at each pass it needs decoded;
+    what it returns, or raises, goes in the future."""
 
     future: Future
     work: Callable[..., Iterator]

@@ -67,6 +67,22 @@ def test_two_answers_taken_in_turns_are_each_llamas(twin_engine):
     assert not twin_engine.sequences.held  # each run gave its sequence back
 
 
+def test_the_draft_models_steps_of_two_runs_are_decoded_together(twin_engine, monkeypatch):
+    """The draft model's passes are handed out as the target's are: two runs drafting with it have
+    their draft steps decoded in one llama_decode, and a long prompt's draft prefill is read a
+    PREFILL_CHUNK at a time (the other run's steps go on between); both answers are Llama's."""
+    draft, decoded = twin_engine.draft_model, []
+    decode = draft.decode
+    monkeypatch.setattr(draft, "decode", lambda passes: (decoded.append(passes), decode(passes)))
+    prompts = [" ".join(f"cherry{i}" for i in range(200)), "def fibonacci(n):\n"]
+    assert len(twin_engine.target.tokenize(prompts[0])) > 2 * PREFILL_CHUNK
+    answers = in_turns(twin_engine, prompts, 16)
+    assert any(len({one.seq for one in passes}) == 2 for passes in decoded), "no draft step decoded together"
+    assert max(len(one.tokens) for passes in decoded for one in passes) <= PREFILL_CHUNK
+    for prompt, tokens in zip(prompts, answers, strict=True):
+        assert_greedy_as_llama(f"drafts together: {prompt[:12]!r}", twin_engine, prompt, tokens, raw=True, limit=16)
+
+
 def test_a_run_beyond_the_sequences_is_refused_until_one_ends(twin_engine):
     streams = [twin_engine.stream(p, raw=True, max_tokens=8) for p in ("One", "Two", "Three")]
     next(streams[0]), next(streams[1])

@@ -97,7 +97,7 @@ class Worker:
             self.engine = self.thread.engine = None
 
     def _serve(self, job: Job) -> Iterator[Pass]:
-        """The job's answers, a target pass at a time (an EngineThread task): one after another,
+        """The job's answers, a pass at a time (an EngineThread task): one after another,
         each drafted from the one before; or, where this machine makes them side by side for much
         less (Engine.answers_together), the first here and each of the others in a task of its own
         (which waits for the first to read the prompt, then copies it: see sequences.py)."""
