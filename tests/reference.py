@@ -13,8 +13,9 @@ tokens against one-token passes, the change in the gap between each position's t
 SmolLM2-135M without flash attention 0.42 (logits up to 1.27 apart), with flash attention 0.0;
 Qwen2.5-Coder-1.5B 0.20-0.29. The bound is not assumed: it is measured on the reference's own
 answer when an answer diverges, and a divergence is excused only where the reference's gap between
-its token and ours is below it, and only once: from there the reference continues after our token
-and must agree to the end."""
+its token and ours is below it: from there the reference continues after our token, and must agree
+to the end but for such near-ties, MAX_NEAR_TIES of them at most (a 34-token answer of SmolLM2
+without flash attention, verified in passes of 9, was seen to cross two)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from edgespec.kernels import plain_llama
 
 WIDTHS = (2, 5, 9, 17, 33, 65)  # verify passes: gamma + 1, up to a copy of 64
 excused: list[str] = []  # each excused divergence, for the end of the test run
+MAX_NEAR_TIES = 3  # excused divergences in one answer
 
 
 @dataclass
@@ -218,7 +220,7 @@ def assert_greedy_as_llama(
     healed: bytes = b"",
 ) -> None:
     """A greedy answer's tokens `ours` from `engine` are llama-cpp-python's greedy answer token for
-    token, but for at most one divergence at a float near-tie (see the module's docstring).
+    token, but for divergences at float near-ties (see the module's docstring).
     prompt: text (raw, or one user message), a conversation, or tokens as given (a fill-in-the-middle
     prompt); text is tokenized by Llama and must give the engine's tokens. limit: the request's
     max_tokens (default: the answer's length); gbnf: the grammar it was under; healed: the text the
@@ -230,18 +232,21 @@ def assert_greedy_as_llama(
         tokens = reference.prompt(prompt, raw)
         assert engine.prompt_tokens(prompt, raw=raw) == tokens, f"{name}: the prompt is not tokenized as Llama does"
     limit = len(ours) if limit is None else limit
-    expected = reference.greedy(tokens, limit, gbnf=gbnf, healed=healed)
-    first = next((i for i, (a, b) in enumerate(zip(ours, expected, strict=False)) if a != b), None)
-    if first is None:
-        assert len(ours) == len(expected), f"{name}: {len(ours)} tokens where Llama answers {len(expected)}"
-        return
-    row = reference.row(tokens, first)
-    gap = float(row[expected[first]] - row[ours[first]])
-    bound = reference.batch_noise(tokens, expected[: first + 1])
-    assert gap < bound, f"{name}: diverges from Llama at token {first}, logit gap {gap:.4f} (float noise {bound:.4f})"
-    rest = reference.greedy(tokens, limit, given=ours[: first + 1], gbnf=gbnf, healed=healed)
-    assert ours == rest, f"{name}: diverges from Llama a second time, after the near-tie at token {first}"
-    excused.append(f"{name}: token {first}/{len(ours)}, gap {gap:.4f} < noise {bound:.4f}")
+    agreed = 0  # the tokens of ours the reference continues after (up to the last near-tie)
+    for _ in range(MAX_NEAR_TIES + 1):
+        expected = reference.greedy(tokens, limit, given=ours[:agreed], gbnf=gbnf, healed=healed)
+        first = next((i for i, (a, b) in enumerate(zip(ours, expected, strict=False)) if a != b), None)
+        if first is None:
+            assert len(ours) == len(expected), f"{name}: {len(ours)} tokens where Llama answers {len(expected)}"
+            return
+        row = reference.row(tokens, first)
+        gap = float(row[expected[first]] - row[ours[first]])
+        bound = reference.batch_noise(tokens, expected[: first + 1])
+        at = f"{name}: diverges from Llama at token {first}"
+        assert gap < bound, f"{at}, logit gap {gap:.4f} (float noise {bound:.4f})"
+        excused.append(f"{name}: token {first}/{len(ours)}, gap {gap:.4f} < noise {bound:.4f}")
+        agreed = first + 1
+    raise AssertionError(f"{name}: diverges from Llama at more than {MAX_NEAR_TIES} near-ties")
 
 
 def law_after(engine, prompt: str, given: list[int] = (), *, width: int, raw: bool = True, gbnf=None, **chain):
