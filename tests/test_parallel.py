@@ -250,21 +250,32 @@ ANIMAL = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSu
 
 @pytest.mark.slow
 def test_a_sampled_answers_law_is_unchanged_by_a_neighbour(twin_engine):
-    """The first token of seeded answers, each verified in the same llama_decode as another
-    request's round, follows the target's law (chi-square against Llama's), through drafts
-    accepted and resampled."""
+    """The first token of seeded answers, each pass of theirs (the draft model's steps, the
+    target's verify pass) decoded in the same llama_decode as another request's pass of that
+    model, follows the target's law (chi-square against Llama's), through drafts accepted and
+    resampled."""
     params = dict(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0)
     p = law_after(twin_engine, ANIMAL, width=5, **params)
     counts, sources, rng = np.zeros(len(p)), set(), np.random.default_rng(7)
     neighbour = twin_engine.steps(twin_engine.start("Once upon a time", raw=True, max_tokens=64))
+
+    def neighbours_next_pass(model: Model) -> Pass:
+        """The neighbour's next pass of `model` (its others decoded alone; a new neighbour where one has ended)."""
+        nonlocal neighbour
+        while True:
+            beside = next((s for s in neighbour if isinstance(s, Pass)), None)
+            if beside is None:
+                neighbour = twin_engine.steps(twin_engine.start("Once upon a time", raw=True, max_tokens=64))
+            elif beside.model is model:
+                return beside
+            else:
+                twin_engine.decode([beside])
+
     for _ in range(RUNS):
         seed = int(rng.integers(2**32))
         steps = twin_engine.steps(twin_engine.start(ANIMAL, raw=True, max_tokens=8, seed=seed, **params))
         while isinstance(step := next(steps), Pass):
-            # the neighbour's next pass beside it (a new neighbour where one has ended)
-            while (beside := next((s for s in neighbour if isinstance(s, Pass)), None)) is None:
-                neighbour = twin_engine.steps(twin_engine.start("Once upon a time", raw=True, max_tokens=64))
-            twin_engine.decode([step, beside])
+            twin_engine.decode([step, neighbours_next_pass(step.model)])
             assert step.beside, "the passes were decoded apart"
         steps.close()
         counts[step.token] += 1
