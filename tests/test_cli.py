@@ -117,7 +117,9 @@ def test_bench_fim_on_a_model_without_fim_tokens_is_one_line(capsys, smollm2_pat
 
 def test_bench_rounds_prices_the_python_of_a_round(capsys, smollm2_path):
     """`--prompts rounds`: the four cases, each with rounds, passes and the Python beside them; the
-    copy from the answer itself is all accepted (a seeded answer does not depend on drafting)."""
+    copy from the answer itself is accepted (a seeded answer does not depend on drafting) as far as
+    the verify passes' logits round as single steps' do: all of it on some CPUs, up to a moved draw on
+    others (SmolLM2 without flash attention on a 2-core AMD EPYC: 69 rounds for 128 tokens)."""
     code, out, err = run(capsys, "bench", *SMALL, "--prompts", "rounds", "--json")
     assert code == 0, err
     report = json.loads(out)
@@ -127,7 +129,7 @@ def test_bench_rounds_prices_the_python_of_a_round(capsys, smollm2_path):
     for row in cases.values():
         assert row["rounds"] > 0 and row["target_passes_ms"] > 0 and 0 < row["python_ms"] < row["round_ms"]
     assert cases["sampled model γ=4"]["draft_passes_ms"] > 0 == cases["sampled plain"]["draft_passes_ms"]
-    assert cases["sampled copy γ=4"]["rounds"] * 3 < cases["sampled plain"]["rounds"]  # copies of ~5 tokens a round
+    assert cases["sampled copy γ=4"]["rounds"] < 0.8 * cases["sampled plain"]["rounds"]  # copies of up to 5 tokens
     code, out, err = run(capsys, "bench", *SMALL, "--prompts", "rounds")
     assert code == 0 and "Python per round beside the passes (49152-token vocabulary)" in out, err
     assert "tok/round" not in out  # no table of prompt classes that did not run
