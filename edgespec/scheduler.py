@@ -5,8 +5,10 @@ draft, verify, accept, cut back); the scheduler only gathers the rows.
 
 Up to `parallel` tasks run at once, each in its own sequence of the models' contexts; the
 ones beyond wait in the order they came. Interactive tasks (an editor's completion, which its
-user waits for with the cursor still) take every step while there are any; the others go on
-after. The EngineThread runs one for the server; the concurrent bench drives one itself.
+user waits for with the cursor still) take every decode while there are any; the others go on
+after: each takes one more step, which reads what its last pass decoded (a view into llama.cpp's
+buffer, which the next decode overwrites), and its next pass is held until it goes on. The
+EngineThread runs one for the server; the concurrent bench drives one itself.
 """
 
 from __future__ import annotations
@@ -38,22 +40,31 @@ class Scheduler:
         self.decode, self.parallel = decode, parallel
         self.waiting: deque[Task] = deque()  # beyond `parallel`: in the order they came
         self.running: list[Task] = []
+        self.held: dict[Task, Pass] = {}  # the next pass of a task the interactive ones hold up
 
     def add(self, task: Task) -> None:
         self.waiting.append(task)
 
     def step(self) -> None:
         """Waiting tasks started while fewer than `parallel` run (interactive ones first); then one
-        step of each running task (of the interactive ones alone, while there are any), and the
-        passes they handed out, decoded together."""
+        step of each running task, and the passes they handed out, decoded together: while there
+        are interactive tasks, theirs alone (the others' are held, see the module docstring)."""
         self._admit()
-        interactive = [t for t in self.running if t.interactive]
+        held_up = any(t.interactive for t in self.running)
         passes = []
-        for task in interactive or list(self.running):
+        for task in list(self.running):
+            goes_on = task.interactive or not held_up
+            if task in self.held:
+                if goes_on:
+                    passes.append(self.held.pop(task))
+                continue
             try:
                 step = next(task.steps)
                 if isinstance(step, Pass):
-                    passes.append(step)
+                    if goes_on:
+                        passes.append(step)
+                    else:
+                        self.held[task] = step
             except StopIteration as end:
                 self.running.remove(task)
                 task.future.set_result(end.value)

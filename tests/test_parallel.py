@@ -6,6 +6,7 @@ import asyncio
 import re
 import threading
 import time
+from concurrent.futures import Future
 
 import httpx
 import numpy as np
@@ -18,6 +19,7 @@ from edgespec.drafters import ModelDrafter
 from edgespec.engine_thread import REST_S
 from edgespec.model import Model, Pass
 from edgespec.run import PREFILL_CHUNK
+from edgespec.scheduler import Scheduler, Task
 from edgespec.server.answers import Answer, Job
 from edgespec.server.app import Worker
 
@@ -387,6 +389,35 @@ def two_passes(name: str):
         yield one
         one.result()
     return name
+
+
+def test_a_task_an_interactive_one_holds_up_reads_its_decoded_pass_before_the_next_decode():
+    """A chat's pass is decoded, then an editor's completion comes and takes the decodes alone: the
+    chat first reads what its pass decoded (llama.cpp's logits are a view the next decode overwrites:
+    read after it, they were another pass's, or freed memory), then waits with its next pass held."""
+    decodes = [0]
+
+    def decode(passes: list[Pass]) -> None:
+        decodes[0] += 1
+        for one in passes:
+            one.logits = np.array([decodes[0]])  # valid until the next decode
+
+    def task(name: str, passes: int):
+        for _ in range(passes):
+            one = Pass(seq=0, tokens=[1])
+            yield one
+            assert one.result()[0] == decodes[0], f"{name} read its pass after another decode"
+        return name
+
+    scheduler = Scheduler(decode, parallel=2)
+    chat = Task(Future(), task, ("chat", 3))
+    scheduler.add(chat)
+    scheduler.step()  # the chat's first pass, decoded
+    infill = Task(Future(), task, ("infill", 2), interactive=True)
+    scheduler.add(infill)
+    while scheduler.running or scheduler.waiting:
+        scheduler.step()
+    assert infill.future.result() == "infill" and chat.future.result() == "chat"
 
 
 def test_tasks_waiting_for_a_turn_start_when_the_running_ones_end():
