@@ -31,7 +31,7 @@ import numpy as np
 from .cost_curve import expected_tokens
 from .costs import DECAY, RoundCosts
 from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter, ModelDrafter
-from .model import Pass, decoded_alone
+from .model import Pass
 from .modes import DraftMode, Gamma, Source, adaptive
 from .prompt_cache import common_prefix
 from .sampling import Constraint, SamplingParams
@@ -168,7 +168,8 @@ class Drafters:
 
 class Controller:
     """Chooses, each round, what to draft (see the module docstring), and learns from the
-    round: plan() has no side effects; draft() makes the plan's draft; observe() takes in
+    round: plan() has no side effects; draft() makes the plan's draft (begin() and draft() hand
+    out the draft model's passes, see model.decoded_alone); observe() takes in
     everything the round taught (acceptance, live costs, where the copy is, forced text).
 
     mode: auto (any drafter or none, per round), model, copy, hybrid (a copy when one is
@@ -192,18 +193,15 @@ class Controller:
         self.predicted = Prediction()
         self._rng = np.random.default_rng(seed)  # the Thompson draws
 
-    def begin(self, prompt: list[int], room: int | None = None) -> None:
-        """begin_steps(), the draft model's passes decoded alone."""
-        decoded_alone(self.begin_steps(prompt, room))
-
-    def begin_steps(
+    def begin(
         self, prompt: list[int], room: int | None = None, chunk: int | None = None
     ) -> Generator[Pass, None, None]:
         """Get the drafters ready to draft after `prompt`, the draft model's passes handed out
-        (`chunk` tokens at most each). room: the answer's tokens at most; in
-        auto mode, a draft model whose prefill (the tokens its cache lacks) would cost more than it
-        can save over that many tokens is left out of the request: a 20k-token agent prompt is
-        minutes of a CPU's time for a draft model, and a short answer never earns them back."""
+        (`chunk` tokens at most each; model.decoded_alone decodes them as they come). room: the
+        answer's tokens at most; in auto mode, a draft model whose prefill (the tokens its cache
+        lacks) would cost more than it can save over that many tokens is left out of the request:
+        a 20k-token agent prompt is minutes of a CPU's time for a draft model, and a short answer
+        never earns them back."""
         model = self.drafters.get(Source.MODEL)
         if self.mode is DraftMode.AUTO and model is not None and room is not None:
             held = model.model.shares(prompt) if model.model is not None else 0
@@ -324,20 +322,9 @@ class Controller:
         params: SamplingParams,
         rng: np.random.Generator,
         grammar: Constraint | None = None,
-    ) -> Draft:
-        """draft_steps(), the draft model's passes decoded alone."""
-        return decoded_alone(self.draft_steps(plan, context, params, rng, grammar))
-
-    def draft_steps(
-        self,
-        plan: Plan,
-        context: list[int],
-        params: SamplingParams,
-        rng: np.random.Generator,
-        grammar: Constraint | None = None,
     ) -> Generator[Pass, None, Draft]:
         """The plan's draft (possibly empty: speculation off for the round), the draft model's
-        passes handed out; under a constraint `grammar` (in its state after `context`), one it
+        passes handed out (as begin's); under a constraint `grammar` (in its state after `context`), one it
         allows."""
         if plan.source is Source.OFF:
             return Draft([], None, source=Source.OFF)

@@ -158,7 +158,7 @@ class Run:
                 self.prompt_logprobs += token_logprobs(logits, following, self.request.logprobs or 0, target.piece)
         self.sequences.read(self.sequence)
         room = min(target.n_ctx, self.limit - 1) - len(prompt)
-        yield from self.controller.begin_steps(prompt, room, self.prefill_chunk)  # the draft model's prefill
+        yield from self.controller.begin(prompt, room, self.prefill_chunk)  # the draft model's prefill
         return True
 
     def _waited(self, have: int) -> Iterator[Pass]:
@@ -251,7 +251,7 @@ class Run:
             room = min(target.n_ctx - len(seq), self.limit - len(seq) - 1)
             plan = controller.plan(seq, room, constraint)
             t_plan = perf_counter()
-            draft, drafting = yield from _own_time(controller.draft_steps(plan, seq, params, self.rng, constraint))
+            draft, drafting = yield from _own_time(controller.draft(plan, seq, params, self.rng, constraint))
             self.enter()  # (other runs' steps may have come between its draft model's passes)
             t1 = perf_counter()
             beside = (t1 - t_plan) - drafting  # the other runs' steps while its draft model's passes waited

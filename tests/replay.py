@@ -26,6 +26,7 @@ from edgespec.controller import Controller, Drafters
 from edgespec.cost_curve import RollbackCost
 from edgespec.costs import RoundCosts
 from edgespec.drafters import CopyDrafter
+from edgespec.model import decoded_alone
 from edgespec.modes import DraftMode, Gamma, Source
 from edgespec.prompt_cache import common_prefix
 from edgespec.stats import RoundTiming
@@ -168,12 +169,12 @@ def replay(
     drafter = RecordedDraftModel(recorded)
     controller = controller_on(mode, gamma, CostCurve(dict(verify)), draft_curve, drafter, copy, seed=seed)
     answer, seq = recorded.answer, list(recorded.prompt)
-    controller.begin(seq, room=MAX_TOKENS)
+    decoded_alone(controller.begin(seq, room=MAX_TOKENS))
     steps, by_source = 0.0, {}
     rng = np.random.default_rng(0)
     while (done := len(seq) - len(recorded.prompt)) < len(answer):
         plan = controller.plan(seq, len(answer) - done - 1)
-        draft = controller.draft(plan, seq, GREEDY, rng)
+        draft = decoded_alone(controller.draft(plan, seq, GREEDY, rng))
         n = common_prefix(draft.tokens, answer[done:], len(draft.tokens))
         seq += answer[done : done + n + 1]
         made = len(draft.tokens) * draft_step if draft.source is Source.MODEL else 0.0

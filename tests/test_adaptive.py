@@ -17,6 +17,7 @@ from edgespec.calibration import CostCurve
 from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
 from edgespec.costs import Batch, Recheck, answers_side_by_side, ubatch_sizes
 from edgespec.drafters import CopyDrafter
+from edgespec.model import decoded_alone
 from edgespec.stats import RoundReport, RoundTiming
 
 
@@ -49,7 +50,7 @@ def propose(controller: Controller, context: list[int], room: int = 100) -> tupl
     if copy := controller.drafters.get("copy"):
         copy.accept(context)
     plan = controller.plan(context, room)
-    return plan, controller.draft(plan, context, GREEDY, RNG)
+    return plan, decoded_alone(controller.draft(plan, context, GREEDY, RNG))
 
 
 def test_hybrid_uses_a_confident_copy_else_the_model():
@@ -65,7 +66,7 @@ def test_hybrid_uses_a_confident_copy_else_the_model():
 def test_planning_learns_nothing():
     """plan() is a query: asked twice, the same answer, and nothing learnt until observe()."""
     controller = adaptive()
-    controller.begin([1, 2, 3])
+    decoded_alone(controller.begin([1, 2, 3]))
     first, second = controller.plan([1, 2, 3], 100), controller.plan([1, 2, 3], 100)
     assert first == second and controller.acceptance == {} and controller.costs.live == {}
     feed(controller, accepted=0, drafted=0)
@@ -407,10 +408,10 @@ def test_auto_leaves_out_a_draft_model_that_cannot_pay_and_does_not_prefill_it()
     model = Counting()
     controller = controller_on("auto", None, FLAT_CPU, SLOW_DRAFT, model, CopyDrafter())
     assert "model" not in controller.drafters
-    controller.begin([1, 2, 3])
+    decoded_alone(controller.begin([1, 2, 3]))
     assert model.prefilled == 0 and controller.plan([1, 2, 3], 100).source == "off"
     hybrid = controller_on("hybrid", None, FLAT_CPU, SLOW_DRAFT, model, CopyDrafter())  # asked for: it runs
-    hybrid.begin([1, 2, 3])
+    decoded_alone(hybrid.begin([1, 2, 3]))
     assert model.prefilled == 1
     assert "model" in controller_on("auto", None, GPU, DRAFT, model, CopyDrafter()).drafters
 
@@ -430,7 +431,7 @@ def test_auto_leaves_out_a_draft_model_whose_prefill_a_short_answer_cannot_repay
     for room, kept in ((64, False), (20_000, True)):
         model = Counting()
         controller = controller_on("auto", None, GPU, DRAFT, model, CopyDrafter())
-        controller.begin(prompt, room=room)
+        decoded_alone(controller.begin(prompt, room=room))
         assert ("model" in controller.drafters) == kept and model.prefilled == int(kept)
 
 

@@ -22,7 +22,7 @@ import edgespec
 from edgespec import Engine, Model, ModelDrafter
 from edgespec.cost_curve import CostCurve, RollbackCost
 from edgespec.drafters import CopyDrafter
-from edgespec.model import Rollback
+from edgespec.model import Rollback, decoded_alone
 
 pytestmark = pytest.mark.slow  # models written with the gguf package
 
@@ -242,7 +242,7 @@ def test_controller_prices_rollback():
 
     def plan_with(rollback, context=text * 2 + text[:40]):
         controller = controller_on("auto", None, curve, None, None, CopyDrafter(), verify_rollback=rollback)
-        controller.begin(context)
+        decoded_alone(controller.begin(context))
         return controller.plan(context, 100)
 
     assert plan_with(None).source == "copy"
