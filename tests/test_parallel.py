@@ -15,6 +15,7 @@ from reference import assert_greedy_as_llama, chi_square_pvalue, law_after, refe
 from test_server import HELLO, Server
 
 from edgespec import EdgespecError, Engine, EngineThread, Request
+from edgespec.cost_curve import CostCurve
 from edgespec.drafters import ModelDrafter
 from edgespec.engine_thread import REST_S
 from edgespec.model import Model, Pass
@@ -243,8 +244,11 @@ def test_answers_to_one_prompt_made_side_by_side_copy_its_prompt_and_are_each_ll
         assert_greedy_as_llama(f"side by side, answer {index}", twin_engine, prompt, answer, raw=True, limit=16)
 
 
-def test_answers_to_one_prompt_go_side_by_side_only_with_a_sequence_each(twin_engine):
-    assert not twin_engine.answers_together(1) and not twin_engine.answers_together(3)  # it has two sequences
+def test_answers_to_one_prompt_go_side_by_side_only_with_a_sequence_each(twin_engine, monkeypatch):
+    """On a flat curve (a GPU's) an engine of two sequences makes two answers side by side, not three."""
+    monkeypatch.setattr(twin_engine.costs, "curve", lambda model, *sizes: CostCurve({1: 1.0, 2: 1.02, 4: 1.05}))
+    assert twin_engine.answers_together(2)
+    assert not twin_engine.answers_together(1) and not twin_engine.answers_together(3)
 
 
 ANIMAL = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSure! My favourite animal is the"
