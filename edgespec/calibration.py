@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass
 from time import perf_counter
 
 import llama_cpp
@@ -41,9 +42,11 @@ FLASH_PROBE_SIZES = (1, 16)  # decode and a verify pass, timed with flash attent
 # So at the probe's shallow depth it must be ahead on both kinds of pass by this margin.
 FLASH_MARGIN = 0.02
 ROLLBACK_TRIES = 3  # checkpoints and restores timed (the fastest counts)
-# A pass whose threads had less than this share of their cores' time ran beside other
-# processes (a build, an indexer): its time says what the machine costs while crowded, not
-# what it costs, so a re-check taken then is refused (see Timer.crowded).
+# Passes whose threads had less than this share of their cores' time ran beside other
+# processes (a build, an indexer): their times say what the machine costs while crowded, not
+# what it costs, so a re-check taken then is refused (see Usage.crowded). Judged over all of a
+# measurement's passes: a single 7 ms step here falls to 0.66 on a quiet machine now and then
+# (a thread woken late), which refused 3 in 30 quiet re-checks when each pass was judged alone.
 CROWDED_SHARE = 0.7
 
 
@@ -65,18 +68,40 @@ def _key(model: Model, sizes) -> str:
 # --- measuring --------------------------------------------------------------------
 
 
+@dataclass
+class Usage:
+    """The wall time of some timed passes on one model, and this process's CPU time over
+    them (all its threads)."""
+
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.seconds + other.seconds, self.cpu_seconds + other.cpu_seconds)
+
+    def crowded(self, model: Model) -> bool:
+        """Whether these passes ran beside other processes: llama.cpp's threads keep their
+        cores busy through a pass, unless the cores are taken from them. (On a GPU the CPU
+        waits: never.)"""
+        if model.n_gpu_layers > 0:
+            return False
+        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = min(model.n_threads, available)
+        return self.cpu_seconds < CROWDED_SHARE * cores * self.seconds
+
+
 class Timer:
     """Times a model's passes for the calibration (measure, recheck and choose_flash_attn
     take one; tests give their own): timer(model, k, tries) is the fastest of `tries` passes
     over k tokens (other load only ever adds time) on top of what the cache holds, which is
     left as it was (a conversation's cache survives a re-check); an empty cache first gets a
-    short dummy prefix. `crowded` then says whether that fastest pass ran on a crowded CPU:
-    this process got less than CROWDED_SHARE of the time of the cores its threads run on."""
+    short dummy prefix. `usage` then holds what all those passes took, for the caller to
+    judge (with its other passes') whether the CPU was crowded."""
 
     def __init__(self) -> None:
         # points timed while choosing flash attention, reused by measure() (keyed by _key(model, ()))
         self.probed: dict[str, dict[int, float]] = {}
-        self.crowded = False
+        self.usage = Usage()
 
     def __call__(self, model: Model, k: int, tries: int) -> float:
         if not model.tokens:
@@ -85,29 +110,18 @@ class Timer:
             model.eval([0], rows=1)  # warm-up: first decodes allocate
             model.truncate(PROBE_DEPTH)
         base = len(model.tokens)
-        best, self.crowded = float("inf"), False
+        best, self.usage = float("inf"), Usage()
         if base + k > model.n_ctx:
             return float("nan")
         for _ in range(tries):
             model.checkpoint(k)  # (a recurrent state: timed apart, see measure_rollback)
             start, cpu = perf_counter(), time.process_time()
             model.eval(model.tokens[-1:] * k, rows=k)
-            seconds, cpu_seconds = perf_counter() - start, time.process_time() - cpu
-            if seconds < best:
-                best, self.crowded = seconds, _crowded(model, seconds, cpu_seconds)
+            seconds = perf_counter() - start
+            self.usage += Usage(seconds, time.process_time() - cpu)
+            best = min(best, seconds)
             model.truncate(base)
         return best
-
-
-def _crowded(model: Model, seconds: float, cpu_seconds: float) -> bool:
-    """Whether a pass of `seconds` on the CPU that kept this process busy for `cpu_seconds`
-    (all its threads) ran beside other processes: llama.cpp's threads keep their cores busy
-    through a pass, unless the cores are taken from them. (On a GPU the CPU waits: never.)"""
-    if model.n_gpu_layers > 0:
-        return False
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cores = min(model.n_threads, available)
-    return cpu_seconds < CROWDED_SHARE * cores * seconds
 
 
 TIMER = Timer()  # this process's
@@ -117,15 +131,18 @@ def measure(model: Model, sizes, timer: Timer = TIMER) -> CostCurve:
     """Time each size: the single step a few times, the others once, and again (keeping
     the fastest) where a pass cost more than its tokens one at a time would. The single
     step is timed again at the end: if the machine's load changed meanwhile (the two
-    differ by DISTURBED, or a pass had to be timed again) or a pass ran on a crowded CPU,
+    differ by DISTURBED, or a pass had to be timed again) or its passes ran on a crowded CPU,
     every point is due for a re-check at once, so a curve taken on a busy machine is
     renewed over the next answers."""
     sizes = [k for k in sizes if PROBE_DEPTH + k < model.n_ctx]
     known = timer.probed.get(_key(model, ()), {})
-    points, disturbed = {}, False
+    points, disturbed, usage = {}, False, Usage()
     for k in sizes:
-        points[k] = known[k] if k in known else timer(model, k, 3 if k == 1 else 1)
-        disturbed |= k not in known and timer.crowded
+        if k not in known:
+            points[k] = timer(model, k, 3 if k == 1 else 1)
+            usage += timer.usage
+        else:
+            points[k] = known[k]
     for k in sizes:
         for _ in range(MEASURE_RETRIES):
             if k == 1 or points[k] <= pass_bound(k, points[1]):
@@ -134,10 +151,11 @@ def measure(model: Model, sizes, timer: Timer = TIMER) -> CostCurve:
             points[k] = min(points[k], timer(model, k, 1))
     if 1 in points:
         again = timer(model, 1, 3)
-        disturbed |= timer.crowded or abs(again - points[1]) > DISTURBED * min(again, points[1])
+        usage += timer.usage
+        disturbed |= abs(again - points[1]) > DISTURBED * min(again, points[1])
         points[1] = min(points[1], again)
     curve = CostCurve(points)
-    if disturbed:
+    if disturbed or usage.crowded(model):
         curve.mark_stale()
     return curve
 
@@ -210,15 +228,16 @@ def _recheck(plans: list[tuple[Model, CostCurve, int]], timer: Timer) -> bool:
     CPU was crowded (then nothing is folded in: a busy machine's figures would stay, and
     speculation would be ruled out where it pays once the machine is quiet again)."""
     steps: list[list[float]] = [[] for _ in plans]
-    passes, crowded = [], False
-    for model, _, k in plans:
+    usages = [Usage() for _ in plans]
+    passes = []
+    for i, (model, _, k) in enumerate(plans):
         passes.append(timer(model, k, 1))
-        crowded |= timer.crowded
+        usages[i] += timer.usage
     for _ in range(2):  # the cheap single step twice (the faster counts)
-        for (model, _, _), times in zip(plans, steps, strict=True):
-            times.append(timer(model, 1, 1))
-            crowded |= timer.crowded
-    if crowded:
+        for i, (model, _, _) in enumerate(plans):
+            steps[i].append(timer(model, 1, 1))
+            usages[i] += timer.usage
+    if any(usage.crowded(model) for (model, _, _), usage in zip(plans, usages, strict=True)):
         return False
     fastest = [min(times) for times in steps]
     for (_, curve, k), step, seconds in zip(plans, fastest, passes, strict=True):

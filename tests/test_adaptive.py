@@ -242,18 +242,28 @@ def test_a_recheck_on_a_crowded_cpu_is_refused(smollm2):
     assert curve.points != quiet and curve.due() is None  # the same figures, timed on a CPU of its own
 
 
+def test_a_thread_woken_late_in_one_step_does_not_refuse_a_recheck(smollm2):
+    """A quiet machine's 7 ms single step now and then has 0.66 of its cores' time (a thread
+    woken late; measured here): judged over all of a re-check's passes, it is not a crowd."""
+    late = iter([0.6])
+    curve = CostCurve({1: 1.0, 16: 6.9}, checked={1: 0.0, 16: 0.0})
+    timer = Scripted(lambda model, k: 0.007 * (6 if k == 16 else 1), share=lambda model, k: next(late, 1.0) if k == 1 else 1.0)
+    calibration.recheck([(smollm2, curve)], every=True, timer=timer)
+    assert curve.due() is None
+
+
 def test_the_timer_knows_when_other_processes_take_the_cores(smollm2):
     """A process spinning on each core the model's threads run on: the real timer says its
     passes ran crowded; alone on the machine, not."""
     timer = calibration.Timer()
     timer(smollm2, 16, 3)
-    assert not timer.crowded
+    assert not timer.usage.crowded(smollm2)
     cores = len(os.sched_getaffinity(0))
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
     try:
         time.sleep(0.5)
         timer(smollm2, 16, 3)
-        assert timer.crowded
+        assert timer.usage.crowded(smollm2)
     finally:
         for spinner in spinners:
             spinner.kill()
@@ -274,16 +284,18 @@ def test_a_pass_never_costs_more_than_its_tokens_one_at_a_time():
 
 
 class Scripted(calibration.Timer):
-    """A timer that says what each pass took instead of timing it."""
+    """A timer that says what each pass took instead of timing it, and what share of their
+    cores' time the model's threads had (half on a crowded CPU, all of it else, unless told)."""
 
-    def __init__(self, seconds, crowded: bool = False):
+    def __init__(self, seconds, crowded: bool = False, share=None):
         super().__init__()
         self.seconds = seconds  # (model, k) -> seconds
-        self.on_a_crowded_cpu = crowded
+        self.share = share or (lambda model, k: 0.5 if crowded else 1.0)
 
     def __call__(self, model, k, tries):
-        self.crowded = self.on_a_crowded_cpu
-        return self.seconds(model, k)
+        seconds = self.seconds(model, k)
+        self.usage = calibration.Usage(seconds, self.share(model, k) * model.n_threads * seconds)
+        return seconds
 
 
 def test_a_disturbed_point_is_timed_again(smollm2):
