@@ -525,6 +525,8 @@ def test_a_calibration_whose_load_changed_is_due_again_at_once(smollm2):
     assert curve(1) == pytest.approx(0.03)
     steady = Scripted(lambda model, k: 0.03 * k)  # a steady machine
     assert calibration.measure(smollm2, (1, 2, 4), steady).due() is None
+    crowded = Scripted(lambda model, k: 0.03 * k, crowded=True)  # as steady, beside other processes
+    assert calibration.measure(smollm2, (1, 2, 4), crowded).due() is not None
 
 
 def test_a_curve_timed_on_a_busy_machine_is_renewed_after_one_answer(tmp_path, monkeypatch, smollm2):
