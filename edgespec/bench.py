@@ -103,6 +103,7 @@ def run_bench(
     verify_curve = engine.costs.curve(engine.target)  # calibrates now if this machine has no cached curve
     draft_model = engine.draft_model
     draft_curve = engine.costs.curve(draft_model, calibration.DRAFT_SIZES) if draft_model else None
+    spread = engine.costs.spread(engine.target)  # with --parallel: what a pass over several sequences costs
     calibration_s = perf_counter() - start
     raw = engine.target.chat_template() is None  # a base model: the prompts as plain text
     engine.generate(Request("Hello", GREEDY, max_tokens=8, raw=raw))  # warm-up: first decodes are slow
@@ -146,6 +147,7 @@ def run_bench(
         "raw_prompts": raw,
         "verify_cost_steps": {k: verify_curve(k) / verify_curve(1) for k in sorted(verify_curve.points)},
         "draft_step_cost": draft_curve(1) / verify_curve(1) if draft_curve else None,
+        "batch_spread": spread.factors or None,
         "rollback": _rollback(engine, verify_curve),
         "prompts": rows,
         "fim": fim,
@@ -300,6 +302,9 @@ def print_report(report: dict) -> None:
     )
     if report["draft_step_cost"] is not None:
         print(f"draft step: {report['draft_step_cost']:.2f} target steps")
+    if report["batch_spread"]:
+        factors = " ".join(f"{n}:{factor:.2f}" for n, factor in sorted(report["batch_spread"].items()))
+        print(f"a pass spread over n sequences, against one sequence's: {factors}")
     rollback = report["rollback"]
     if rollback["kind"] != "truncate":
         line = f"rollback: {rollback['kind']}"

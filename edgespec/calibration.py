@@ -26,8 +26,8 @@ from time import perf_counter
 import llama_cpp
 
 from . import store
-from .cost_curve import CostCurve, RollbackCost, pass_bound
-from .model import Model, Rollback
+from .cost_curve import UNSPREAD, BatchSpread, CostCurve, RollbackCost, pass_bound
+from .model import Model, Pass, Rollback
 
 TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes measured for a target
 DRAFT_SIZES = (1, 2)  # a draft model decodes one token per step (two after a fully accepted round)
@@ -42,6 +42,8 @@ FLASH_PROBE_SIZES = (1, 16)  # decode and a verify pass, timed with flash attent
 # So at the probe's shallow depth it must be ahead on both kinds of pass by this margin.
 FLASH_MARGIN = 0.02
 ROLLBACK_TRIES = 3  # checkpoints and restores timed (the fastest counts)
+SPREAD_SIZES = (2, 4, 8, 16)  # sequences a pass is spread over when measuring BatchSpread (as many as there are)
+SPREAD_TRIES = 2  # passes timed each way (the fastest counts)
 # Passes whose threads had less than this share of their cores' time ran beside other
 # processes (a build, an indexer): their times say what the machine costs while crowded, not
 # what it costs, so a re-check taken then is refused (see Usage.crowded). Judged over all of a
@@ -121,6 +123,36 @@ class Timer:
             self.usage += Usage(seconds, time.process_time() - cpu)
             best = min(best, seconds)
             model.truncate(base)
+        return best
+
+    def spread(self, model: Model, sequences: int, tries: int) -> float:
+        """The fastest of `tries` passes of one token in each of the first `sequences` sequences,
+        decoded together, on top of what each holds (an empty one gets a dummy prefix for the
+        time being); every sequence is left as it was."""
+        current, held = model.seq, []
+        for seq in range(sequences):
+            model.use(seq)
+            held.append(len(model.tokens))
+            if not model.tokens:
+                model.eval([0] * PROBE_DEPTH)
+        depths = [len(model.sequence_tokens(seq)) for seq in range(sequences)]
+        best, self.usage = float("inf"), Usage()
+        for _ in range(tries):
+            passes = [Pass(seq, model.sequence_tokens(seq)[-1:]) for seq in range(sequences)]
+            start, cpu = perf_counter(), time.process_time()
+            model.decode(passes)
+            seconds = perf_counter() - start
+            self.usage += Usage(seconds, time.process_time() - cpu)
+            if any(p.error is not None for p in passes):  # no room left in a sequence
+                best = float("nan")
+            best = min(best, seconds)  # (NaN stays NaN)
+            for seq, depth in enumerate(depths):
+                model.use(seq)
+                model.truncate(depth)
+        for seq, tokens in enumerate(held):
+            model.use(seq)
+            model.truncate(tokens)
+        model.use(current)
         return best
 
 
@@ -208,6 +240,45 @@ def measure_rollback(model: Model) -> RollbackCost:
         model.truncate(base)
         restores.append(perf_counter() - start)
     return RollbackCost(min(saves), min(restores), model.n_snapshots)
+
+
+def load_or_measure_spread(model: Model, timer: Timer = TIMER) -> BatchSpread:
+    """What spreading a pass over several of `model`'s sequences costs here (cached per machine,
+    model file and sequence count; not cached when measured on a crowded CPU); UNSPREAD where
+    there is one sequence or the model is recurrent (model.decode decodes its passes alone)."""
+    if model.n_seq == 1 or model.recurrent:
+        return UNSPREAD
+    key = f"{_setup(model)}|fa={int(model.flash_attn)}|spread={model.n_seq}"
+    cached = store.read().get(key)
+    if cached:
+        try:
+            return BatchSpread.from_json(cached)
+        except (KeyError, TypeError, ValueError):
+            pass
+    spread, usage = measure_spread(model, timer)
+    if not usage.crowded(model):
+        store.write(key, spread.to_json())
+    return spread
+
+
+def measure_spread(model: Model, timer: Timer = TIMER) -> tuple[BatchSpread, Usage]:
+    """W(n) / V(n) for n of SPREAD_SIZES up to the model's sequences: a pass of one token in each
+    of n sequences against n tokens in one, the two timed in turn under the same load (the
+    fastest of SPREAD_TRIES each); and what all those passes took. A pair that found no room
+    (NaN) is left out."""
+    factors, usage, current = {}, Usage(), model.seq
+    model.use(0)
+    for n in sorted({min(size, model.n_seq) for size in SPREAD_SIZES}):
+        spread, one = [], []
+        for _ in range(SPREAD_TRIES):
+            spread.append(timer.spread(model, n, 1))
+            usage += timer.usage
+            one.append(timer(model, n, 1))
+            usage += timer.usage
+        if not any(math.isnan(seconds) for seconds in spread + one):
+            factors[n] = min(spread) / min(one)
+    model.use(current)
+    return BatchSpread(factors), usage
 
 
 def save(model: Model, sizes, curve: CostCurve) -> None:

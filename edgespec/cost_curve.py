@@ -149,6 +149,34 @@ class RollbackCost:
         return cls(float(data["checkpoint_s"]), float(data["restore_s"]), int(data["snapshots"]))
 
 
+@dataclass(frozen=True)
+class BatchSpread:
+    """What a pass costs beyond V(k) when its k rows lie in several sequences (a server's
+    requests decoded together) rather than one: factors[n] = W(n) / V(n), W(n) the pass of
+    one token in each of n sequences. Each sequence has cells of its own (model.py), so
+    llama.cpp computes attention per sequence: more, smaller operations. Measured by
+    calibration.measure_spread (a 2-core EPYC, Qwen 1.5B: 1.02 for 2, 1.04 for 4 at a 16-token
+    cache; 1.04 and 1.07 at 400); linear in between, the last factor beyond."""
+
+    factors: dict[int, float]
+
+    def __call__(self, sequences: int) -> float:
+        known = sorted(k for k in self.factors if k > 1)
+        if sequences <= 1 or not known:
+            return 1.0
+        return float(np.interp(sequences, [1, *known], [1.0, *(self.factors[k] for k in known)]))
+
+    def to_json(self) -> dict:
+        return {"factors": _str_keys(self.factors)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> BatchSpread:
+        return cls({int(k): float(v) for k, v in data["factors"].items()})
+
+
+UNSPREAD = BatchSpread({})  # not measured (one sequence, a recurrent model): as one sequence's
+
+
 def pass_bound(k: int, step: float) -> float:
     """The most a pass over k tokens can cost: k single steps (and the slack)."""
     return k * step * BATCH_SLACK

@@ -7,10 +7,11 @@
     free round       V(γ+1) + R_target(γ, α)          (a copy or forced text: no model runs)
 
 Beside other requests (a server's), a round's pass is decoded with theirs: V(γ+1) becomes the
-whole decode, V over each of the micro-batches llama.cpp splits it into (ubatch_sizes), and
-the controller weighs the tokens of the whole batch (see controller.py): drafts that would
-slow every neighbour down for less than they bring are left out, so that speculation stops
-by itself where the batch is full. The same prices decide how several answers to one prompt
+whole decode, V over each of the micro-batches llama.cpp splits it into (ubatches) times what
+spreading a micro-batch over its sequences costs here (cost_curve.BatchSpread), and the
+controller weighs the tokens of the whole batch (see controller.py): drafts that would slow
+every neighbour down for less than they bring are left out, so that speculation stops by
+itself where the batch is full. The same prices decide how several answers to one prompt
 (n, n_cmpl) are made: side by side where a step of all of them costs much less than their steps
 one after another (answers_side_by_side).
 
@@ -31,7 +32,7 @@ from enum import Enum
 from time import perf_counter
 
 from . import calibration
-from .cost_curve import CostCurve, RollbackCost, expected_tokens
+from .cost_curve import UNSPREAD, BatchSpread, CostCurve, RollbackCost, expected_tokens
 from .model import Model
 from .modes import Source
 from .stats import RoundTiming
@@ -52,29 +53,38 @@ RECHECK_SHARE = 0.05  # at most this share of an engine's time goes to timing co
 SIDE_BY_SIDE_SHARE = 0.6
 
 
-def ubatch_sizes(passes: Sequence[tuple[int, int]]) -> list[int]:
+@dataclass(frozen=True)
+class MicroBatch:
+    """One of the micro-batches llama.cpp splits a decode into: its tokens, over how many sequences."""
+
+    tokens: int
+    sequences: int
+
+
+def ubatches(passes: Sequence[tuple[int, int]]) -> list[MicroBatch]:
     """The micro-batches llama.cpp decodes passes of several sequences in ((sequence, tokens)
     each), where each sequence has cells of its own (its split_equal): each takes as many tokens
     from every sequence of a run of consecutive ones as the shortest of them has left."""
     left = dict(sorted(passes))
-    sizes = []
+    split = []
     while left:
         run = [next(iter(left))]
         while run[-1] + 1 in left:
             run.append(run[-1] + 1)
         n = min(left[seq] for seq in run)
-        sizes.append(n * len(run))
+        split.append(MicroBatch(n * len(run), len(run)))
         for seq in run:
             left[seq] -= n
             if not left[seq]:
                 del left[seq]
-    return sizes
+    return split
 
 
-def answers_side_by_side(verify: CostCurve, count: int) -> bool:
+def answers_side_by_side(verify: CostCurve, count: int, spread: BatchSpread = UNSPREAD) -> bool:
     """Whether `count` answers to one prompt are best made side by side, a step of each decoded
-    together (one micro-batch of a row per sequence: V(count)), rather than one after another."""
-    return verify(count) <= SIDE_BY_SIDE_SHARE * count * verify(1)
+    together (one micro-batch of a row per sequence: V(count), spread over count sequences),
+    rather than one after another."""
+    return verify(count) * spread(count) <= SIDE_BY_SIDE_SHARE * count * verify(1)
 
 
 @dataclass(frozen=True)
@@ -130,12 +140,15 @@ class RoundCosts:
         draft_step: CostCurve | None = None,
         verify_rollback: RollbackCost | None = None,
         draft_rollback: RollbackCost | None = None,
+        spread: BatchSpread = UNSPREAD,
     ) -> None:
         """verify: V(k) of the target; draft_step: the draft model's curve (None: no draft model,
         or one of unknown cost, counted free); the rollbacks: what cutting the target's and the
-        draft model's recurrent states back costs (None: attention alone, a cut is free)."""
+        draft model's recurrent states back costs (None: attention alone, a cut is free);
+        spread: what a target pass spread over several sequences costs beyond V."""
         self._verify, self._draft = verify, draft_step
         self._verify_rollback, self._draft_rollback = verify_rollback, draft_rollback
+        self._spread = spread
         self.live: dict[Source | str, LiveCost] = {}  # per kind of round (a Source) and ALL
         self.batch = Batch()  # what its next pass is decoded with (the run says, after each pass)
 
@@ -149,10 +162,12 @@ class RoundCosts:
         return self._draft(1) if self._draft is not None else 0.0
 
     def in_batch(self, k: int) -> float:
-        """A pass over k tokens of this request, decoded with the passes beside it: the whole decode."""
+        """A pass over k tokens of this request, decoded with the passes beside it: the whole decode,
+        each micro-batch V(its tokens) times what spreading them over its sequences costs."""
         if not self.batch.beside:
             return self._verify(k)
-        return sum(self._verify(n) for n in ubatch_sizes((*self.batch.beside, (self.batch.seq, k))))
+        split = ubatches((*self.batch.beside, (self.batch.seq, k)))
+        return sum(self._verify(part.tokens) * self._spread(part.sequences) for part in split)
 
     @property
     def tokens_beside(self) -> int:
@@ -264,6 +279,7 @@ class MachineCosts:
         self.timer = timer
         self._curves: dict[tuple, CostCurve] = {}
         self._rollbacks: dict[Model, RollbackCost | None] = {}
+        self._spreads: dict[Model, BatchSpread] = {}
         # seconds of answering since the last re-check, less what re-checks cost / RECHECK_SHARE:
         # many short answers must not each pay for one
         self._credit = 0.0
@@ -281,12 +297,19 @@ class MachineCosts:
             self._rollbacks[model] = calibration.load_or_measure_rollback(model)
         return self._rollbacks[model]
 
+    def spread(self, model: Model) -> BatchSpread:
+        """What a pass of `model` spread over several sequences costs here: cached, else measured now."""
+        if model not in self._spreads:
+            self._spreads[model] = calibration.load_or_measure_spread(model, self.timer)
+        return self._spreads[model]
+
     def of_request(self, target: Model, draft_model: Model | None) -> RoundCosts:
         """A request's costs, on this engine's curves (rounds move them for the requests after)."""
+        verify, spread = self.curve(target), self.spread(target)
         if draft_model is None:
-            return RoundCosts(self.curve(target), None, self.rollback(target))
+            return RoundCosts(verify, None, self.rollback(target), spread=spread)
         draft_curve = self.curve(draft_model, calibration.DRAFT_SIZES)
-        return RoundCosts(self.curve(target), draft_curve, self.rollback(target), self.rollback(draft_model))
+        return RoundCosts(verify, draft_curve, self.rollback(target), self.rollback(draft_model), spread)
 
     def answered(self, seconds: float, costs: RoundCosts | None) -> None:
         """An answer took `seconds` with these `costs` (None: none planned): schedule a re-check.

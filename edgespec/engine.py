@@ -130,7 +130,9 @@ class Engine:
         decodes them together for much less than one after another (costs.answers_side_by_side)
         and there are sequences for them all. Else one after another, each drafted from the one
         before (Request.answer)."""
-        return 1 < count <= self.target.n_seq and answers_side_by_side(self.costs.curve(self.target), count)
+        return 1 < count <= self.target.n_seq and answers_side_by_side(
+            self.costs.curve(self.target), count, self.costs.spread(self.target)
+        )
 
     def _idle_chunk(self) -> int:
         """Prompt tokens an idle pass reads: the most that take IDLE_PASS_S at most here (on a

@@ -8,7 +8,7 @@ import pytest
 from reference import excused
 
 from edgespec import Engine, Model, ModelDrafter, calibration
-from edgespec.cost_curve import CostCurve
+from edgespec.cost_curve import UNSPREAD, BatchSpread, CostCurve
 from edgespec.costs import MachineCosts
 from edgespec.loader import resolve_model
 from edgespec.sampling import distribution, position_uniforms
@@ -75,6 +75,9 @@ class GpuCosts(MachineCosts):
     def curve(self, model: Model, sizes=calibration.TARGET_SIZES) -> CostCurve:
         step = 0.01 if sizes == calibration.TARGET_SIZES else 0.001
         return self._curves.setdefault((model, sizes), FixedCurve({k: step for k in sizes}))
+
+    def spread(self, model: Model) -> BatchSpread:
+        return UNSPREAD  # a pass spread over sequences costs as one sequence's
 
 
 class FixedCurve(CostCurve):

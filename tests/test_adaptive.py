@@ -15,7 +15,8 @@ from replay import controller_on
 from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibration, cost_curve, store
 from edgespec.calibration import CostCurve
 from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
-from edgespec.costs import Batch, Recheck, answers_side_by_side, ubatch_sizes
+from edgespec.cost_curve import BatchSpread
+from edgespec.costs import Batch, MicroBatch, Recheck, RoundCosts, answers_side_by_side, ubatches
 from edgespec.drafters import CopyDrafter
 from edgespec.model import decoded_alone
 from edgespec.stats import RoundReport, RoundTiming
@@ -149,10 +150,10 @@ def test_a_batch_is_priced_as_llama_cpp_splits_it_and_a_full_one_stops_drafting(
     """Sequences of their own: llama.cpp decodes equal rows of a run of consecutive sequences at a
     time. On the CPU curve a draft model at α 0.97 pays alone; beside three one-token passes its
     rows would be a micro-batch of their own, slowing every neighbour: the plan is no draft."""
-    assert ubatch_sizes([(0, 5), (1, 1)]) == [2, 4]
-    assert ubatch_sizes([(1, 3), (0, 3)]) == [6]
-    assert ubatch_sizes([(0, 1), (2, 1)]) == [1, 1]  # not consecutive: apart
-    assert ubatch_sizes([(0, 5), (1, 1), (2, 1), (3, 1)]) == [4, 4]
+    assert ubatches([(0, 5), (1, 1)]) == [MicroBatch(2, 2), MicroBatch(4, 1)]
+    assert ubatches([(1, 3), (0, 3)]) == [MicroBatch(6, 2)]
+    assert ubatches([(0, 1), (2, 1)]) == [MicroBatch(1, 1), MicroBatch(1, 1)]  # not consecutive: apart
+    assert ubatches([(0, 5), (1, 1), (2, 1), (3, 1)]) == [MicroBatch(4, 4), MicroBatch(4, 1)]
     controller = adaptive(CPU)
     controller.acceptance_of("model").accepted = 0.97 * 1e6
     controller.acceptance_of("model").rejected = 0.03 * 1e6
@@ -160,6 +161,22 @@ def test_a_batch_is_priced_as_llama_cpp_splits_it_and_a_full_one_stops_drafting(
     controller.costs.batch = Batch(0, ((1, 1), (2, 1), (3, 1)))
     assert controller.costs.in_batch(5) == pytest.approx(CPU(4) + CPU(4))
     assert controller.plan([1, 2, 3], 100).source == "off"
+
+
+def test_a_micro_batch_over_several_sequences_costs_what_spreading_it_costs_here():
+    """V of a micro-batch times the measured factor for its sequences (1 for one sequence):
+    what a batch of B sequences' rows costs on this machine, not one sequence's B rows."""
+    spread = BatchSpread({2: 1.1, 4: 1.3})
+    assert [spread(n) for n in (1, 2, 3, 4, 8)] == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.3])
+    costs = RoundCosts(CPU, spread=spread)
+    costs.batch = Batch(0, ((1, 1), (2, 1), (3, 1)))
+    assert costs.in_batch(5) == pytest.approx(CPU(4) * 1.3 + CPU(4))  # a row each of 4, then 4 of one
+    assert costs.in_batch(1) == pytest.approx(CPU(4) * 1.3)
+    costs.batch = Batch()
+    assert costs.in_batch(5) == pytest.approx(CPU(5))  # alone: V itself
+    assert BatchSpread.from_json(spread.to_json()) == spread
+    # where spreading four answers over four sequences costs a third more, they go one after another
+    assert answers_side_by_side(CPU, 4) and not answers_side_by_side(CPU, 4, BatchSpread({4: 1.35}))
 
 
 def test_model_draft_gets_stop_thresholds_from_the_cost_model():
@@ -289,15 +306,56 @@ class Scripted(calibration.Timer):
     """A timer that says what each pass took instead of timing it, and what share of their
     cores' time the model's threads had (half on a crowded CPU, all of it else, unless told)."""
 
-    def __init__(self, seconds, crowded: bool = False, share=None):
+    def __init__(self, seconds, crowded: bool = False, share=None, spread: float = 1.0):
         super().__init__()
         self.seconds = seconds  # (model, k) -> seconds
         self.share = share or (lambda model, k: 0.5 if crowded else 1.0)
+        self.spread_factor = spread  # a pass spread over sequences takes this times one sequence's
 
     def __call__(self, model, k, tries):
         seconds = self.seconds(model, k)
         self.usage = calibration.Usage(seconds, self.share(model, k) * model.n_threads * seconds)
         return seconds
+
+    def spread(self, model, sequences, tries):
+        return self(model, sequences, tries) * self.spread_factor
+
+
+@pytest.fixture(scope="module")
+def smollm2_four(smollm2_path):
+    """SmolLM2 with four sequences (a server's context)."""
+    model = Model(smollm2_path, n_ctx=256, n_seq=4)
+    yield model
+    model.close()
+
+
+def test_spreading_a_pass_is_timed_over_the_sequences_and_leaves_them_as_they_were(smollm2_four):
+    """W(n) / V(n): one token in each of n sequences decoded together against n tokens in one."""
+    model = smollm2_four
+    model.use(1)
+    model.eval(model.tokenize("Held by a request"))
+    held = list(model.tokens)
+    model.use(2)
+    decode, decoded = model.decode, []
+    model.decode = lambda passes: (decoded.append(sorted(p.seq for p in passes)), decode(passes))
+    try:
+        spread, usage = calibration.measure_spread(model, calibration.Timer())
+    finally:
+        del model.decode
+    assert set(spread.factors) == {2, 4} and all(0.3 < f < 3 for f in spread.factors.values()), spread
+    assert [0, 1] in decoded and [0, 1, 2, 3] in decoded and usage.seconds > 0
+    assert model.seq == 2 and model.sequence_tokens(1) == held  # a request's cache survives
+    assert model.sequence_tokens(2) == model.sequence_tokens(3) == []
+
+
+def test_the_spread_is_cached_but_not_when_measured_on_a_crowded_cpu(tmp_path, monkeypatch, smollm2, smollm2_four):
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    assert calibration.load_or_measure_spread(smollm2).factors == {}  # one sequence: nothing spreads
+    crowded = Scripted(lambda model, k: 0.01 * k, crowded=True, spread=1.5)
+    assert calibration.load_or_measure_spread(smollm2_four, crowded).factors == pytest.approx({2: 1.5, 4: 1.5})
+    quiet = Scripted(lambda model, k: 0.01 * k, spread=1.1)
+    assert calibration.load_or_measure_spread(smollm2_four, quiet).factors == pytest.approx({2: 1.1, 4: 1.1})
+    assert calibration.load_or_measure_spread(smollm2_four, crowded).factors == pytest.approx({2: 1.1, 4: 1.1})
 
 
 def test_a_disturbed_point_is_timed_again(smollm2):

@@ -142,7 +142,9 @@ def test_bench_concurrent_answers_chats_at_once(capsys, smollm2_path):
     argv = ["bench", *SMALL, "--prompts", "concurrent", "--modes", "auto", "--max-tokens", "12"]
     code, out, err = run(capsys, *argv, "--parallel", "4", "--json")
     assert code == 0, err
-    report = json.loads(out)["concurrent"]
+    whole = json.loads(out)
+    assert set(whole["batch_spread"]) == {"2", "4"}  # what a pass over several sequences costs here
+    report = whole["concurrent"]
     for mode in ("off", "auto"):
         cases = report["modes"][mode]
         assert list(cases) == ["2 chats", "4 chats"]
@@ -150,6 +152,7 @@ def test_bench_concurrent_answers_chats_at_once(capsys, smollm2_path):
             assert 0 < row["latency_s"] <= row["together_s"] and row["apart_s"] > 0 and row["tokens_per_s"] > 0
     code, out, err = run(capsys, *argv, "--parallel", "2")
     assert code == 0 and "2 chats" in out and "4 chats" not in out, err
+    assert "a pass spread over n sequences, against one sequence's: 2:" in out
     assert_one_line_error(*run(capsys, *argv)[::2], "--parallel 4")
 
 
