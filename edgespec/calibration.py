@@ -20,8 +20,10 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
+from typing import TypeVar
 
 import llama_cpp
 
@@ -50,6 +52,9 @@ SPREAD_TRIES = 2  # passes timed each way (the fastest counts)
 # measurement's passes: a single 7 ms step here falls to 0.66 on a quiet machine now and then
 # (a thread woken late), which refused 3 in 30 quiet re-checks when each pass was judged alone.
 CROWDED_SHARE = 0.7
+
+
+T = TypeVar("T")
 
 
 # --- the cache --------------------------------------------------------------------
@@ -192,14 +197,21 @@ def measure(model: Model, sizes, timer: Timer = TIMER) -> CostCurve:
     return curve
 
 
-def load_or_measure(model: Model, sizes=TARGET_SIZES, timer: Timer = TIMER) -> CostCurve:
-    """The cached curve for this model on this machine, or a fresh measurement."""
-    cached = store.read().get(_key(model, sizes))
+def _cached(key: str, from_json: Callable[[dict], T]) -> T | None:
+    """What the store holds under `key`, or None (nothing, or written by an older version: measure again)."""
+    cached = store.read().get(key)
     if cached:
         try:
-            return CostCurve.from_json(cached)
+            return from_json(cached)
         except (KeyError, TypeError, ValueError):
-            pass  # written by an older version: measure again
+            pass
+    return None
+
+
+def load_or_measure(model: Model, sizes=TARGET_SIZES, timer: Timer = TIMER) -> CostCurve:
+    """The cached curve for this model on this machine, or a fresh measurement."""
+    if (cached := _cached(_key(model, sizes), CostCurve.from_json)) is not None:
+        return cached
     curve = measure(model, sizes, timer)
     save(model, sizes, curve)
     return curve
@@ -211,12 +223,8 @@ def load_or_measure_rollback(model: Model) -> RollbackCost | None:
     if model.rollback is Rollback.TRUNCATE:
         return None
     key = f"{_setup(model)}|fa={int(model.flash_attn)}|rollback={model.rollback.value}:{model.n_snapshots}"
-    cached = store.read().get(key)
-    if cached:
-        try:
-            return RollbackCost.from_json(cached)
-        except (KeyError, TypeError, ValueError):
-            pass
+    if (cached := _cached(key, RollbackCost.from_json)) is not None:
+        return cached
     cost = measure_rollback(model)
     store.write(key, cost.to_json())
     return cost
@@ -249,12 +257,8 @@ def load_or_measure_spread(model: Model, timer: Timer = TIMER) -> BatchSpread:
     if model.n_seq == 1 or model.recurrent:
         return UNSPREAD
     key = f"{_setup(model)}|fa={int(model.flash_attn)}|spread={model.n_seq}"
-    cached = store.read().get(key)
-    if cached:
-        try:
-            return BatchSpread.from_json(cached)
-        except (KeyError, TypeError, ValueError):
-            pass
+    if (cached := _cached(key, BatchSpread.from_json)) is not None:
+        return cached
     spread, usage = measure_spread(model, timer)
     if not usage.crowded(model):
         store.write(key, spread.to_json())
