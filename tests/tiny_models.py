@@ -111,9 +111,13 @@ ARCHS = ("mamba", "jamba", "lfm2", "qwen35")
 ATTENTION_LAYERS = {"mamba": (), "jamba": (1, 3), "lfm2": (1, 3), "qwen35": (3,)}  # qwen35: every 4th
 
 
-def write_tiny(path: Path, arch: str, tokenizer: Path, *, seed: int = 0, noise: float = 0.0) -> Path:
+def write_tiny(
+    path: Path, arch: str, tokenizer: Path, *, seed: int = 0, noise: float = 0.0, split_tensors: int = 0
+) -> Path:
     """A random `arch` model at `path`; `noise` > 0 perturbs the last block's weights of `seed`
-    by that share (a draft model that agrees with its target often, not always)."""
+    by that share (a draft model that agrees with its target often, not always). split_tensors:
+    written as a split GGUF of that many tensors a part (path's stem-0000i-of-0000N.gguf, as
+    llama.cpp's gguf-split names them; the first part is returned)."""
     rng = np.random.default_rng(seed)
     fields = _tokenizer_fields(tokenizer)
     n_vocab = len(next(value for name, value, *_ in fields if name == gguf.Keys.Tokenizer.LIST))
@@ -146,7 +150,7 @@ def write_tiny(path: Path, arch: str, tokenizer: Path, *, seed: int = 0, noise: 
             for name, t in tensors.items()
         }
 
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_tensors)
     writer.add_context_length(4096)
     writer.add_embedding_length(N_EMBD)
     writer.add_block_count(N_LAYER)
@@ -181,4 +185,4 @@ def write_tiny(path: Path, arch: str, tokenizer: Path, *, seed: int = 0, noise: 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return writer.format_shard_names(path)[0] if split_tensors else path
