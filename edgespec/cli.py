@@ -27,7 +27,11 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         help="target model: registry name, hub name (hf:OWNER/REPO[:QUANT] or hf:OWNER/REPO/FILE.gguf)"
         " or .gguf path (alone: no draft)",
     )
-    g.add_argument("--draft", help="draft model: registry name, hub name or .gguf path")
+    g.add_argument(
+        "--draft",
+        help="draft model: registry name, hub name or .gguf path; auto: the smallest downloaded model that shares"
+        " the target's tokenizer, else its family's (fetched)",
+    )
     g.add_argument(
         "--ctx",
         type=int,
@@ -182,6 +186,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     from .cache import cache_dir
     from .registry import cached_path, load_registry
 
+    if args.drafts_for:
+        return _drafts_for(args.drafts_for, args.offline)
     registry = load_registry()
     print(f"models (cache: {cache_dir() / 'models'})")
     for entry in registry.models.values():
@@ -195,6 +201,18 @@ def cmd_models(args: argparse.Namespace) -> int:
     for pair in registry.pairs.values():
         mark = " (default)" if pair.name == registry.default_pair else ""
         print(f"  {pair.name:<22} {pair.target} <- {pair.draft}{mark}  {pair.description}")
+    return 0
+
+
+def _drafts_for(target: str, offline: bool) -> int:
+    from .pairing import find_draft
+
+    choice = find_draft(target, offline=offline)
+    print(f"draft models for {target}:")
+    for candidate in choice.candidates:
+        size = f"{candidate.size / 2**20:.0f} MiB" if candidate.size else "not downloaded"
+        print(f"  {'taken' if candidate.taken else 'left':<6}{candidate.name}  {size}: {candidate.verdict}")
+    print(choice.summary())
     return 0
 
 
@@ -358,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pull)
 
     m = sub.add_parser("models", help="list models and pairs, and what is downloaded")
+    m.add_argument("--drafts-for", metavar="TARGET", help="the draft models --draft auto weighs for TARGET, and why")
+    m.add_argument("--offline", action="store_true", help="with --drafts-for: fetch nothing")
     m.set_defaults(func=cmd_models)
 
     c = sub.add_parser("chat", help="full-screen chat that shows speculation live")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from .modes import DraftMode, Gamma, check_mode
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .registry import cached_path, load_registry, pull, verify_cached
 
+AUTO_DRAFT = "auto"  # draft=: the draft model found for the target (pairing.py)
 MAX_PARALLEL = 256  # requests at once: llama.cpp's limit on a context's sequences (LLAMA_MAX_SEQ)
 
 
@@ -98,7 +100,8 @@ def load(
 
     pair: a pair name from models.toml (default: its default_pair) — or give
     target (and draft) as registry names, hub names (hf:OWNER/REPO[:QUANT] or
-    hf:OWNER/REPO/FILE.gguf, see hub.py) or .gguf paths; without a draft model
+    hf:OWNER/REPO/FILE.gguf, see hub.py) or .gguf paths, and draft="auto" for the best draft
+    model this target can have (pairing.py: said on stderr with progress); without a draft model
     only the free copy drafter is there. gamma (an int, or "auto"; None: the pair's, else auto)
     and draft_mode (auto, model, copy, hybrid, off) are the engine's defaults;
     auto measures this machine's costs at first use and chooses per round.
@@ -124,6 +127,13 @@ def load(
         target, draft = entry.target, entry.draft
         if gamma is None and "gamma" in entry.settings:
             gamma = Gamma.of(entry.settings["gamma"])
+    if draft == AUTO_DRAFT:
+        from .pairing import find_draft  # (pairing resolves models by this module's resolve_model)
+
+        choice = find_draft(target, offline=offline, progress=progress)
+        if progress:
+            print(choice.summary(), file=sys.stderr, flush=True)
+        draft = choice.draft
     draft_mode = check_mode(draft_mode, has_model=draft is not None)
     if not 1 <= parallel <= MAX_PARALLEL:
         raise EdgespecError(f"parallel must be 1..{MAX_PARALLEL} requests at once, got {parallel}")

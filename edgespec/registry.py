@@ -61,10 +61,24 @@ class PairEntry:
 
 
 @dataclass(frozen=True)
+class FamilyEntry:
+    """Targets of one family (their GGUF's general.architecture, and where given its vocabulary
+    size and a word of its general.name), and small models of it by hub name, for --draft auto."""
+
+    name: str
+    architecture: str
+    drafts: list[str]
+    n_vocab: int | None = None
+    name_contains: str | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
 class Registry:
     models: dict[str, ModelEntry]
     pairs: dict[str, PairEntry]
     default_pair: str
+    families: dict[str, FamilyEntry] = field(default_factory=dict)
 
     def model(self, name: str) -> ModelEntry:
         if name not in self.models:
@@ -92,6 +106,7 @@ def load_registry() -> Registry:
         sources.append((str(user), user.read_bytes()))
     models: dict[str, ModelEntry] = {}
     pairs: dict[str, PairEntry] = {}
+    families: dict[str, FamilyEntry] = {}
     default_pair = ""
     for origin, data in sources:
         try:
@@ -103,9 +118,11 @@ def load_registry() -> Registry:
                 p = dict(p)
                 target, draft, description = p.pop("target"), p.pop("draft"), p.pop("description", "")
                 pairs[name] = PairEntry(name, target, draft, description, settings=p)
+            for name, f in doc.get("families", {}).items():
+                families[name] = FamilyEntry(name=name, **f)
         except (tomllib.TOMLDecodeError, TypeError, KeyError, UnicodeDecodeError) as e:
             raise EdgespecError(f"{origin} is not a valid model registry ({e}); fix or remove it") from None
-    return Registry(models, pairs, default_pair)
+    return Registry(models, pairs, default_pair, families)
 
 
 # --- the cache -------------------------------------------------------------
