@@ -167,8 +167,8 @@ def _is_model(path: str) -> bool:
 def list_repo(repo: str) -> list[HubFile]:
     """Every file of the repo, with its size and LFS sha256 (huggingface-hub's list_repo_tree)."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
     from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError
 
     try:
         host = hub_reachable()
@@ -183,7 +183,7 @@ def list_repo(repo: str) -> list[HubFile]:
         ) from None
     except RepositoryNotFoundError:
         raise EdgespecError(f"no repo {repo} on the hub (or it is private: set HF_TOKEN); check the name") from None
-    except (HfHubHTTPError, OSError) as e:
+    except Exception as e:  # the hub library raises many types (its HTTP client's among them)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EdgespecError(f"could not list {repo} on {host} ({first}); check your network") from None
 

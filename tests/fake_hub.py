@@ -29,6 +29,7 @@ class Served:
 @dataclass
 class FakeHub:
     repos: dict[str, dict[str, bytes]] = field(default_factory=dict)  # repo -> path -> bytes
+    gated: set[str] = field(default_factory=set)  # repos whose terms are not accepted
     wrong_sha: set[tuple[str, str]] = field(default_factory=set)  # (repo, path) listed with a wrong sha256
     drop_after: dict[tuple[str, str], int] = field(default_factory=dict)  # the next GET closes after n bytes
     stall_after: dict[tuple[str, str], int] = field(default_factory=dict)  # GETs wait after n bytes ...
@@ -83,6 +84,8 @@ class FakeHub:
             self._error(request, 404, "EntryNotFound", "no such route")
 
     def _tree(self, request: BaseHTTPRequestHandler, repo: str) -> None:
+        if repo in self.gated:
+            return self._error(request, 403, "GatedRepo", "Access to this repo is restricted")
         if repo not in self.repos:
             return self._error(request, 404, "RepoNotFound", "Repository not found")
         listing = []

@@ -54,6 +54,7 @@ def fake(ggufs, tmp_path, monkeypatch):
     with FakeHub() as served:
         served.repos[REPO] = {"README.md": b"# Tiny", **ggufs, "mmproj-Tiny-F16.gguf": b"a projector, not a model"}
         served.repos["owner/Docs"] = {"README.md": b"no GGUF here"}
+        served.gated.add("owner/Gated-GGUF")
         monkeypatch.setenv("HF_ENDPOINT", served.url)
         yield served
 
@@ -162,6 +163,7 @@ def test_a_killed_pull_resumes(fake, tmp_path):
     [
         ("hf:owner/Missing", ["no repo owner/Missing on the hub"]),
         ("hf:owner/Docs", ["hf:owner/Docs has no GGUF model file"]),
+        ("hf:owner/Gated-GGUF", ["hf:owner/Gated-GGUF is gated", "HF_TOKEN"]),
         (f"hf:{REPO}:Q5_K_S", [f"hf:{REPO} has no Q5_K_S file; it has Q4_K_M, Q8_0"]),
         (f"hf:{REPO}/Other.gguf", [f"hf:{REPO} has no file Other.gguf"]),
         ("hf:owner", ["is not a hub model name"]),

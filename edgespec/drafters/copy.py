@@ -1,24 +1,14 @@
-"""Drafters: each proposes the next few tokens; the engine verifies them.
-
-Like llama.cpp's common/speculative.cpp, making a draft is split from verifying
-it: a drafter begins with the prompt, drafts before a round and accepts what the
-round kept; the engine does not care where a draft came from, only that q (if
-given) is the distribution each token was drawn from.
-"""
+"""Copy drafting: tokens copied ahead from source texts (the context, a predicted output), free."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-import numpy as np
-
-from .grammar import MAX_FORCED_CHARS
-from .model import Model, Pass, decoded_alone
-from .modes import Source
-from .sampling import Constraint, Law, SamplingParams, law
+from ..model import Model
+from ..modes import Source
+from .base import Draft
 
 CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
 SOURCE_NAMES = (Source.COPY, Source.PREDICTION)  # what a copy draft reports as its source, per source
@@ -33,121 +23,6 @@ REANCHOR_KEEPS = 0.5  # of the evidence an alignment had, what it keeps when fou
 MIN_LOST = 4  # an alignment that held for fewer tokens was a chance match: not worth finding again
 MIN_RENAME = 3  # shortest word whose renaming is carried over to the other tokens it appears in
 PREDICTION_CREDIT = 16  # the evidence a prediction starts with: the client says the answer repeats it
-
-
-@dataclass
-class Draft:
-    tokens: list[int]
-    # the laws the tokens were sampled from (one per token); None means each token is
-    # a point mass (deterministic drafts, and every greedy draft)
-    q: list[Law] | None = None
-    source: Source = Source.MODEL  # which kind of drafter made it: acceptance is tracked per source
-
-    def __post_init__(self) -> None:
-        self.source = Source(self.source)  # (a drafter of the user's may name it as a string)
-
-
-class Drafter(Protocol):
-    """begin(prompt), then per round draft(...) and accept(context)."""
-
-    model: Model | None  # the model it runs (None: a free drafter, which costs nothing to run)
-
-    def begin(self, prompt: list[int]) -> None:
-        """Get ready to draft after the request's prompt (timed as prefill)."""
-
-    def draft(
-        self,
-        context: list[int],
-        n: int,
-        params: SamplingParams,
-        rng: np.random.Generator,
-        stop_below: Sequence[float] = (),
-        grammar: Constraint | None = None,
-    ) -> Draft:
-        """Propose up to n tokens to follow `context`. A drafter that knows its
-        confidence stops before token i once the product of its confidences in
-        tokens 0..i falls below stop_below[i] (a hint; others may ignore it).
-        grammar: what the answer is held to (its grammar, or its token healing) in its
-        state after `context` (not to be advanced: clone it to walk ahead); a drafter
-        that samples draws from its law (constraint.law), so that min(1, p_g/q_g) stays
-        exact."""
-
-    def accept(self, context: list[int]) -> None:
-        """A round is over: `context` is the sequence now (the drafts the target kept, and its token)."""
-
-
-class ModelDrafter:
-    """Drafts with a small model sharing the target's tokenizer. Its passes are handed out
-    (begin_steps, draft_steps: each a model.Pass of the draft model) so that a scheduler decodes
-    them with other runs' draft passes, every sequence's step reading the weights once; begin and
-    draft decode them alone."""
-
-    def __init__(self, model: Model, target_vocab: int) -> None:
-        self.model = model
-        self.target_vocab = target_vocab  # drafts stay within the ids the target has
-
-    def begin(self, prompt: list[int]) -> None:
-        decoded_alone(self.begin_steps(prompt))
-
-    def begin_steps(self, prompt: list[int], chunk: int | None = None) -> Generator[Pass, None, None]:
-        """begin(), its passes handed out: `chunk` tokens at most each (None: all in one), so that a
-        long prompt's read holds the other runs' steps up for one pass at most."""
-        ahead = prompt[self.model.sync(prompt) : -1]
-        step = chunk or max(1, len(ahead))
-        for at in range(0, len(ahead), step):
-            yield from self._pass(ahead[at : at + step])
-
-    def accept(self, context: list[int]) -> None:
-        """Drop the rejected drafts from the cache (the tokens the target added are read at the next draft)."""
-        self.model.sync(context)
-
-    def draft(self, context, n, params, rng, stop_below=(), grammar=None) -> Draft:
-        return decoded_alone(self.draft_steps(context, n, params, rng, stop_below, grammar))
-
-    def draft_steps(self, context, n, params, rng, stop_below=(), grammar=None) -> Generator[Pass, None, Draft]:
-        """draft(), its passes handed out."""
-        model = self.model
-        walk = grammar.clone() if grammar is not None else None  # the constraint along this draft
-        logits = yield from self._pass(context[len(model.tokens) :])  # the tokens written since its last draft
-        model.checkpoint()  # a recurrent state: the next round's sync comes back here
-        tokens: list[int] = []
-        q_rows: list[Law] | None = None if params.greedy else []  # the laws the tokens were drawn from
-        p_all = 1.0  # the draft's own estimate that every token so far is accepted
-        shared = min(model.n_vocab, self.target_vocab)  # token ids both vocabularies have
-        while True:
-            if params.greedy:
-                token = int(np.argmax(logits)) if walk is None else walk.argmax(logits[:shared])
-                # (without the constraint's mask: a hint is all it needs to be)
-                confidence = 1.0 / np.exp(logits - logits[token]).sum() if stop_below else 1.0
-            else:
-                q = law(logits[:shared], params, model) if walk is None else walk.law(logits[:shared], params, model)
-                # the law's top probability, as for greedy, and never the drawn token's q(x): a
-                # token kept or dropped by what was drawn is no longer drawn from q, and the answer
-                # leaves the target's law (measured on the Qwen pair at temperature 0.6-1: the
-                # expected acceptance sum(min(p, q)) was within 0.15 of max q; q(x) underestimates
-                # it, 0.35-0.56 for tokens of q(x) 0.01-0.2)
-                confidence = float(q.probs.max())
-            p_all *= confidence
-            if len(tokens) < len(stop_below) and p_all < stop_below[len(tokens)]:
-                break  # not worth verifying: stop (its draft step is already paid)
-            if not params.greedy:
-                q_rows.append(q)
-                token = q.sample(rng.random())
-            tokens.append(token)
-            if len(tokens) == n or model.is_eog(token):  # nothing useful follows an end of generation
-                break
-            if walk is not None:
-                walk.accept(token)
-            logits = yield from self._pass([token])
-        return Draft(tokens, q_rows, source=Source.MODEL)
-
-    def _pass(self, tokens: list[int]) -> Generator[Pass, None, np.ndarray]:
-        """A pass of the draft model over `tokens` in its sequence, handed out to be decoded; its
-        last row (the model back on this sequence)."""
-        one = Pass(self.model.seq, tokens, model=self.model)
-        yield one
-        self.model.use(one.seq)
-        return one.result()
 
 
 @dataclass(frozen=True)
@@ -533,28 +408,3 @@ def _without_common_ends(old: str, new: str) -> tuple[str, str]:
     while end < min(len(old), len(new)) - start and old[-1 - end] == new[-1 - end] and not old[-1 - end].isalnum():
         end += 1
     return old[start : len(old) - end], new[start : len(new) - end]
-
-
-class GrammarDrafter:
-    """Drafts what the grammar forces: where it allows one continuation only (a schema's
-    keys, JSON punctuation, closing brackets), that text's tokens, as a point mass. Free
-    (no model runs); the target still verifies them, since it may split the text into
-    other tokens than the tokenizer does alone."""
-
-    model = None  # free: it runs no model
-
-    def __init__(self, vocab: Model, max_chars: int = MAX_FORCED_CHARS) -> None:
-        self.vocab = vocab
-        self.max_chars = max_chars
-
-    def begin(self, prompt: list[int]) -> None:
-        pass
-
-    def accept(self, context: list[int]) -> None:
-        pass  # the grammar's state is the run's: it moves with the answer
-
-    def draft(self, context, n, params=None, rng=None, stop_below=(), grammar=None) -> Draft:
-        if grammar is None or not (text := grammar.forced_text(self.max_chars)):
-            return Draft([], None, source=Source.GRAMMAR)
-        tokens = self.vocab.tokenize(text, add_special=False)
-        return Draft(grammar.allowed_prefix(tokens)[:n], None, source=Source.GRAMMAR)
