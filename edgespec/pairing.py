@@ -20,7 +20,7 @@ from .errors import EdgespecError
 from .hub import SPLIT
 from .loader import resolve_model
 from .model import Vocabulary, tokenizer_mismatch
-from .registry import FamilyEntry, cached_path, load_registry
+from .registry import FamilyEntry, cached_path, load_registry, verify_cached
 
 MAX_SHARE = 0.25  # a draft model at most this share of the target's size (LM Studio's and our pairs' order)
 
@@ -59,7 +59,11 @@ def find_draft(target: str, *, offline: bool = False, progress: bool = True) -> 
         if int(vocabulary.metadata(f"{architecture}.nextn_predict_layers") or 0) > 0:
             candidates.append(Candidate(target, target_size, "its own MTP heads: not drafted with yet"))
         for name, size in sorted(_downloaded(), key=lambda found: found[1]):
-            path = resolve_model(name, offline=True, progress=False)
+            try:
+                path = _verified(name)
+            except EdgespecError as e:  # a damaged file in the cache: the others still count
+                candidates.append(Candidate(name, size, f"not usable: {e}"))
+                continue
             if path.resolve() != target_path.resolve():
                 candidates.append(_judge(vocabulary, name, path, size, target_size, taken=_any_taken(candidates)))
         family = _family(vocabulary) if not _any_taken(candidates) else None
@@ -115,6 +119,13 @@ def _family(target: Vocabulary) -> FamilyEntry | None:
         ):
             return family
     return None
+
+
+def _verified(name: str) -> Path:
+    """A downloaded model's file, its sha256 checked; never fetched (a damaged one is not usable)."""
+    if hub.is_hub_name(name):
+        return hub.resolve(name, offline=True, progress=False)
+    return verify_cached(load_registry().model(name))
 
 
 def _downloaded() -> list[tuple[str, int]]:
