@@ -25,7 +25,7 @@ _MODULES = {
     "PairInfo": "loader",
     "load": "loader",
     "pairs": "loader",
-    "pull_models": "loader",
+    "pull_models": "resolve",
     "TokenLogprob": "logprobs",
     "Model": "model",
     "DraftMode": "modes",

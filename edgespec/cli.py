@@ -173,8 +173,8 @@ def _read_text(name: str | None, what: str) -> str | None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from .loader import pull_models
     from .registry import load_registry
+    from .resolve import pull_models
 
     for model, path in pull_models(args.names or [load_registry().default_pair], offline=args.offline).items():
         print(f"{model}: {path}")

@@ -1,22 +1,23 @@
-"""edgespec.load(): models by registry name or path, fetched and verified, into an Engine."""
+"""edgespec.load(): models by registry name, hub name or path (resolve.py), fetched and verified,
+into an Engine, with the draft model found for the target where asked (pairing.py)."""
 
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-from . import hub
 from .calibration import choose_flash_attn
 from .chat import validate_template
 from .drafters import ModelDrafter
 from .engine import Engine
 from .errors import EdgespecError
-from .model import KV_MEMORY_SHARE, MAX_SNAPSHOTS, Model, check_gguf, compatibility_problem, header_chat_template
+from .model import KV_MEMORY_SHARE, MAX_SNAPSHOTS, Model, compatibility_problem, header_chat_template
 from .modes import DraftMode, Gamma, check_mode
+from .pairing import find_draft
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
-from .registry import cached_path, load_registry, pull, verify_cached
+from .registry import cached_path, load_registry
+from .resolve import resolve_model
 
 AUTO_DRAFT = "auto"  # draft=: the draft model found for the target (pairing.py)
 MAX_PARALLEL = 256  # requests at once: llama.cpp's limit on a context's sequences (LLAMA_MAX_SEQ)
@@ -46,38 +47,6 @@ def pairs() -> list[PairInfo]:
         )
         for p in registry.pairs.values()
     ]
-
-
-def pull_models(names: list[str], *, offline: bool = False, progress: bool = True) -> dict[str, Path]:
-    """Fetch and verify models, or both models of pairs, by name (a hub name's repo listed
-    again, unless offline); return their paths."""
-    registry = load_registry()
-    models: list[str] = []
-    paths = {}
-    for name in names:
-        if hub.is_hub_name(name):
-            paths[name] = hub.pull_name(name, offline=offline, progress=progress)
-        elif name in registry.pairs:
-            models += [registry.pair(name).target, registry.pair(name).draft]
-        else:
-            models.append(registry.model(name).name)
-    return paths | {m: pull(registry.model(m), offline=offline, progress=progress) for m in dict.fromkeys(models)}
-
-
-def resolve_model(name_or_path: str | os.PathLike, *, offline: bool = False, progress: bool = True) -> Path:
-    """A registry name or a hub name (hf:OWNER/REPO..., see hub.py) is fetched on first use and
-    verified by sha256; anything else is taken as a path to a GGUF file."""
-    if hub.is_hub_name(name_or_path):
-        return hub.resolve(name_or_path, offline=offline, progress=progress)
-    registry = load_registry()
-    if isinstance(name_or_path, str) and name_or_path in registry.models:
-        entry = registry.model(name_or_path)
-        pull(entry, offline=offline, progress=progress)
-        return verify_cached(entry)
-    path = Path(name_or_path).expanduser()
-    if not path.exists() and isinstance(name_or_path, str) and os.sep not in name_or_path and "." not in path.suffix:
-        registry.model(name_or_path)  # neither a file nor a known name: say which names exist
-    return check_gguf(path)
 
 
 def load(
@@ -128,8 +97,6 @@ def load(
         if gamma is None and "gamma" in entry.settings:
             gamma = Gamma.of(entry.settings["gamma"])
     if draft == AUTO_DRAFT:
-        from .pairing import find_draft  # (pairing resolves models by this module's resolve_model)
-
         choice = find_draft(target, offline=offline, progress=progress)
         if progress:
             print(choice.summary(), file=sys.stderr, flush=True)

@@ -18,9 +18,9 @@ from pathlib import Path
 from . import hub
 from .errors import EdgespecError
 from .hub import SPLIT
-from .loader import resolve_model
 from .model import Vocabulary, tokenizer_mismatch
 from .registry import FamilyEntry, cached_path, load_registry, verify_cached
+from .resolve import resolve_model
 
 MAX_SHARE = 0.25  # a draft model at most this share of the target's size (LM Studio's and our pairs' order)
 

@@ -10,7 +10,7 @@ from reference import excused
 from edgespec import Engine, Model, ModelDrafter, calibration
 from edgespec.cost_curve import UNSPREAD, BatchSpread, CostCurve
 from edgespec.costs import MachineCosts
-from edgespec.loader import resolve_model
+from edgespec.resolve import resolve_model
 from edgespec.sampling import distribution, position_uniforms
 
 near_ties: list[str] = []  # seeded sampled answers that part at a float edge (assert_sampled_match)

@@ -14,7 +14,7 @@ from reference import assert_first_token_law, assert_greedy_as_llama
 
 import edgespec
 from edgespec import Draft, DraftMode, EdgespecError, Engine, Model, ModelDrafter, Request, SamplingParams
-from edgespec.loader import resolve_model
+from edgespec.resolve import resolve_model
 
 PROMPTS = [
     "Write a Python function that returns the factorial of n.",

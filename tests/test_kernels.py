@@ -16,7 +16,7 @@ import pytest
 from edgespec import Model, kernels, store
 from edgespec.cli import main
 from edgespec.errors import EdgespecError
-from edgespec.loader import resolve_model
+from edgespec.resolve import resolve_model
 
 CRASH = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
 HANG = [sys.executable, "-c", "import time; time.sleep(60)"]

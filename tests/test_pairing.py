@@ -14,8 +14,8 @@ from test_cli import run
 from test_hub import REPO, WHOLE, ggufs  # noqa: F401  (a fixture)
 
 from edgespec import hub
-from edgespec.loader import resolve_model
 from edgespec.pairing import MAX_SHARE, find_draft
+from edgespec.resolve import resolve_model
 
 TINY = f"hf:{REPO}/{WHOLE}"  # a tiny LFM2 with SmolLM2's tokenizer: 0.15 of SmolLM2's size
 

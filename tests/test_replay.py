@@ -12,7 +12,7 @@ import pytest
 from replay import RECORDING, load, replay
 
 from edgespec import Model
-from edgespec.loader import resolve_model
+from edgespec.resolve import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
