@@ -101,8 +101,7 @@ def run_bench(
     fixed_gamma = gamma or FIXED_GAMMA
     start = perf_counter()
     verify_curve = engine.costs.curve(engine.target)  # calibrates now if this machine has no cached curve
-    draft_model = engine.draft_model
-    draft_curve = engine.costs.curve(draft_model, calibration.DRAFT_SIZES) if draft_model else None
+    draft_curve = engine.costs.draft_step(engine.drafter)  # the draft model's, or the target's heads'
     spread = engine.costs.spread(engine.target)  # with --parallel: what a pass over several sequences costs
     calibration_s = perf_counter() - start
     raw = engine.target.chat_template() is None  # a base model: the prompts as plain text
@@ -136,7 +135,7 @@ def run_bench(
         )
     return {
         "target": engine.target.path.name,
-        "draft": draft_model.path.name if draft_model else None,
+        "draft": engine.draft_name,
         "n_threads": engine.target.n_threads,
         "max_tokens": max_tokens,
         "repeats": repeats,

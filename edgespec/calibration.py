@@ -26,9 +26,11 @@ from time import perf_counter
 from typing import TypeVar
 
 import llama_cpp
+import numpy as np
 
 from . import store
 from .cost_curve import UNSPREAD, BatchSpread, CostCurve, RollbackCost, pass_bound
+from .heads import Heads
 from .model import Model, Pass, Rollback
 
 TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes measured for a target
@@ -208,13 +210,18 @@ def _cached(key: str, from_json: Callable[[dict], T]) -> T | None:
     return None
 
 
+def _remembered(key: str, from_json: Callable[[dict], T], measure: Callable[[], T]) -> T:
+    """What the store holds under `key`, else measured now and kept there."""
+    if (cached := _cached(key, from_json)) is not None:
+        return cached
+    measured = measure()
+    store.write(key, measured.to_json())
+    return measured
+
+
 def load_or_measure(model: Model, sizes=TARGET_SIZES, timer: Timer = TIMER) -> CostCurve:
     """The cached curve for this model on this machine, or a fresh measurement."""
-    if (cached := _cached(_key(model, sizes), CostCurve.from_json)) is not None:
-        return cached
-    curve = measure(model, sizes, timer)
-    save(model, sizes, curve)
-    return curve
+    return _remembered(_key(model, sizes), CostCurve.from_json, lambda: measure(model, sizes, timer))
 
 
 def load_or_measure_rollback(model: Model) -> RollbackCost | None:
@@ -223,11 +230,7 @@ def load_or_measure_rollback(model: Model) -> RollbackCost | None:
     if model.rollback is Rollback.TRUNCATE:
         return None
     key = f"{_setup(model)}|fa={int(model.flash_attn)}|rollback={model.rollback.value}:{model.n_snapshots}"
-    if (cached := _cached(key, RollbackCost.from_json)) is not None:
-        return cached
-    cost = measure_rollback(model)
-    store.write(key, cost.to_json())
-    return cost
+    return _remembered(key, RollbackCost.from_json, lambda: measure_rollback(model))
 
 
 def measure_rollback(model: Model) -> RollbackCost:
@@ -283,6 +286,32 @@ def measure_spread(model: Model, timer: Timer = TIMER) -> tuple[BatchSpread, Usa
             factors[n] = min(spread) / min(one)
     model.use(current)
     return BatchSpread(factors), usage
+
+
+def load_or_measure_heads(heads: Heads) -> CostCurve:
+    """What a step of the target's MTP layers costs here (cached per machine and model file)."""
+    return _remembered(f"{_setup(heads.target)}|heads", CostCurve.from_json, lambda: measure_heads(heads))
+
+
+def measure_heads(heads: Heads) -> CostCurve:
+    """The MTP layers' step (one token read after a few in the cache, with the state before it;
+    the fastest of 3), each of DRAFT_SIZES; the layers' cache left as it was."""
+    seq = heads.target.seq
+    base = heads.positions(seq)
+    state = np.zeros((max(DRAFT_SIZES), heads.width), np.float32)
+    if base == 0:
+        heads.read(seq, [0] * PROBE_DEPTH, np.zeros((PROBE_DEPTH, heads.width), np.float32))
+    depth, points = heads.positions(seq), {}
+    for k in DRAFT_SIZES:
+        times = []
+        for _ in range(3):
+            start = perf_counter()
+            heads.read(seq, [0] * k, state[:k])
+            times.append(perf_counter() - start)
+            heads.cut(seq, depth)
+        points[k] = min(times)
+    heads.cut(seq, base)
+    return CostCurve(points)
 
 
 def save(model: Model, sizes, curve: CostCurve) -> None:

@@ -25,12 +25,13 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--target",
         help="target model: registry name, hub name (hf:OWNER/REPO[:QUANT] or hf:OWNER/REPO/FILE.gguf)"
-        " or .gguf path (alone: no draft)",
+        " or .gguf path (alone: its own MTP heads where its file has them, else no draft model)",
     )
     g.add_argument(
         "--draft",
-        help="draft model: registry name, hub name or .gguf path; auto: the smallest downloaded model that shares"
-        " the target's tokenizer, else its family's (fetched)",
+        help="draft model: registry name, hub name or .gguf path; heads: the target's own MTP heads; auto: those"
+        " heads where its file has them, else the smallest downloaded model that shares the target's tokenizer,"
+        " else its family's (fetched)",
     )
     g.add_argument(
         "--ctx",
@@ -62,10 +63,22 @@ def _gamma(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
+def _may_have_heads(target: str) -> bool:
+    """Whether a target given alone may draft with its own MTP heads: its file's say where it is on
+    this machine, else yes (the load, which fetches it, tells)."""
+    from .heads import has_heads
+    from .resolve import resolve_model
+
+    try:
+        return has_heads(resolve_model(target, offline=True, progress=False))
+    except EdgespecError:
+        return True
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """The flags that can be checked before any model is loaded (or the chat app started), so
     that a typo costs no load time."""
-    check_mode(args.draft_mode, has_model=args.target is None or args.draft is not None)
+    check_mode(args.draft_mode, has_model=args.target is None or args.draft is not None or _may_have_heads(args.target))
     if args.gamma is not None:
         args.gamma = Gamma.of(args.gamma)  # typed here, once, for every command
     _max_tokens(args)

@@ -92,7 +92,7 @@ def prior_alpha(key: AcceptanceKey) -> float:
     longer its alignment has held (0.57 for a fresh anchor, 0.84, 0.96, then ~1)."""
     if isinstance(key, CopyKey):
         return min(COPY_MAX_PRIOR, 1 - 0.5 * 0.85 ** (key.bucket - 1))
-    return {Source.MODEL: MODEL_PRIOR_ALPHA, Source.GRAMMAR: GRAMMAR_PRIOR_ALPHA}[key]
+    return {Source.MODEL: MODEL_PRIOR_ALPHA, Source.HEADS: MODEL_PRIOR_ALPHA, Source.GRAMMAR: GRAMMAR_PRIOR_ALPHA}[key]
 
 
 @dataclass
@@ -150,6 +150,7 @@ class Plan:
     rng_state: dict | None = None  # the Thompson draws' generator after this plan's draw
 
     def __post_init__(self) -> None:
+        self.source = Source(self.source)  # (as Draft's: given as a string too)
         if self.expected_rate is None:
             self.expected_rate = self.rate
 
@@ -187,6 +188,9 @@ class Controller:
         available = {Source.MODEL: drafters.model, Source.COPY: drafters.copy, Source.GRAMMAR: drafters.grammar}
         # the drafters this controller may plan for: only those the mode allows and that exist
         self.drafters = {s: available[s] for s in self.mode.sources if available[s] is not None}
+        # whose acceptance the engine's drafter learns: the draft model's, or the target's heads' (a
+        # drafter of the user's may not say: a model's)
+        self.model_key = getattr(drafters.model, "source", Source.MODEL)
         if self.mode is DraftMode.AUTO and Source.MODEL in self.drafters and not self._model_can_pay(MODEL_GATE_ALPHA):
             del self.drafters[Source.MODEL]  # it would lose here whatever it drafts: not run, not prefilled
         self.acceptance: dict[AcceptanceKey, Acceptance] = {}
@@ -303,13 +307,13 @@ class Controller:
         # hybrid: the model only where the lookup has no confident match
         if Source.MODEL in self.drafters and not (self.mode is DraftMode.HYBRID and confident_copy):
             if not self.adaptive:
-                candidates.append(Plan(1.0, Source.MODEL, min(fixed, room), key=Source.MODEL))
+                candidates.append(Plan(1.0, Source.MODEL, min(fixed, room), key=self.model_key))
             else:  # the draw comes from a copy of the generator; observe() moves the real one on
                 longest = min(MAX_MODEL_GAMMA, room)
                 gammas = [min(fixed, room)] if fixed else self._gammas(longest, room < MAX_MODEL_GAMMA)
                 rng = np.random.Generator(type(self._rng.bit_generator)())
                 rng.bit_generator.state = self._rng.bit_generator.state
-                candidates.append(self._best(Source.MODEL, Source.MODEL, gammas, rng=rng))
+                candidates.append(self._best(Source.MODEL, self.model_key, gammas, rng=rng))
                 rng_state = rng.bit_generator.state
         if not candidates:
             return NO_DRAFT
@@ -337,7 +341,7 @@ class Controller:
             step, verify = self.costs.draft_step(), self.costs.in_batch
             stop_below = [plan.rate * (step + verify(i + 2) - verify(i + 1)) for i in range(plan.gamma)]
         drafter = self.drafters[plan.source]
-        if isinstance(drafter, ModelDrafter):
+        if isinstance(drafter, ModelDrafter):  # its passes handed out
             return (yield from drafter.draft_steps(context, plan.gamma, params, rng, stop_below, grammar=grammar))
         return drafter.draft(context, plan.gamma, params, rng, stop_below, grammar=grammar)
 
@@ -360,8 +364,8 @@ class Controller:
             learnt.decay()
         if draft.tokens and not source.free:  # free drafts learn from every token (below)
             self.acceptance_of(plan.key).observe(n_accepted, len(draft.tokens))
-        if self.adaptive:
-            costs.observe(source, len(draft.tokens), n_accepted, timing)
+        if self.adaptive:  # (by the plan's source: the heads are priced in the draft model's place)
+            costs.observe(plan.source, len(draft.tokens), n_accepted, timing)
         for drafter in self.drafters.values():
             drafter.accept(context)
         if copy := self.drafters.get(Source.COPY):

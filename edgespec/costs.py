@@ -33,6 +33,8 @@ from time import perf_counter
 
 from . import calibration
 from .cost_curve import UNSPREAD, BatchSpread, CostCurve, RollbackCost, expected_tokens
+from .drafters import Drafter, HeadsDrafter
+from .heads import Heads
 from .model import Model
 from .modes import Source
 from .stats import RoundTiming
@@ -204,7 +206,7 @@ class RoundCosts:
 
     def planned(self, source: Source, gamma: int, alpha: float = 1.0) -> float:
         """A round's expected seconds by the curves alone (a copy is free, a model draft is not)."""
-        return self.model_round(gamma, alpha) if source is Source.MODEL else self.verify_round(gamma, alpha)
+        return self.model_round(gamma, alpha) if source.runs_model else self.verify_round(gamma, alpha)
 
     def expected(self, source: Source, gamma: int, alpha: float = 1.0) -> float:
         """A round's expected seconds, as its kind of round has really been running in this request."""
@@ -217,11 +219,11 @@ class RoundCosts:
 
     def of_round(self, source: Source, gamma: int, accepted: int) -> float:
         """What a finished round should have cost by the curves, given what it kept."""
-        step = self.draft_step() if source is Source.MODEL else 0.0
+        step = self.draft_step() if source.runs_model else 0.0
         cost = gamma * step + self.in_batch(gamma + 1)
         if self._verify_rollback is not None and gamma:
             cost += self._verify_rollback.of_round(gamma, accepted, self._verify)
-        if self._draft_rollback is not None and source is Source.MODEL and gamma:
+        if self._draft_rollback is not None and source.runs_model and gamma:
             cost += self._draft_rollback.of_round(gamma, accepted, _draft_again(step))
         return cost
 
@@ -249,7 +251,7 @@ class RoundCosts:
             self.live.setdefault(kind, LiveCost()).observe(timing.total, planned)
         if not timing.beside:  # a pass alone times V(k) itself
             self._verify.observe(drafted + 1 + timing.rereads, timing.verify)
-        if source is Source.MODEL and drafted and self._draft is not None:
+        if source.runs_model and drafted and self._draft is not None:
             self._draft.observe(1, timing.draft / drafted)
 
     def look_stale(self) -> bool:
@@ -280,6 +282,7 @@ class MachineCosts:
         self._curves: dict[tuple, CostCurve] = {}
         self._rollbacks: dict[Model, RollbackCost | None] = {}
         self._spreads: dict[Model, BatchSpread] = {}
+        self._heads: dict[Heads, CostCurve] = {}
         # seconds of answering since the last re-check, less what re-checks cost / RECHECK_SHARE:
         # many short answers must not each pay for one
         self._credit = 0.0
@@ -303,13 +306,24 @@ class MachineCosts:
             self._spreads[model] = calibration.load_or_measure_spread(model, self.timer)
         return self._spreads[model]
 
-    def of_request(self, target: Model, draft_model: Model | None) -> RoundCosts:
-        """A request's costs, on this engine's curves (rounds move them for the requests after)."""
-        verify, spread = self.curve(target), self.spread(target)
-        if draft_model is None:
-            return RoundCosts(verify, None, self.rollback(target), spread=spread)
-        draft_curve = self.curve(draft_model, calibration.DRAFT_SIZES)
-        return RoundCosts(verify, draft_curve, self.rollback(target), self.rollback(draft_model), spread)
+    def draft_step(self, drafter: Drafter | None) -> CostCurve | None:
+        """What a step of `drafter` costs here (None: it runs no model, as the copies): the draft
+        model's curve, or the target's MTP layers' step; cached, else measured now."""
+        if isinstance(drafter, HeadsDrafter):
+            if drafter.heads not in self._heads:
+                self._heads[drafter.heads] = calibration.load_or_measure_heads(drafter.heads)
+            return self._heads[drafter.heads]
+        if drafter is None or drafter.model is None:  # (a drafter of the user's may run none)
+            return None
+        return self.curve(drafter.model, calibration.DRAFT_SIZES)
+
+    def of_request(self, target: Model, drafter: Drafter | None = None) -> RoundCosts:
+        """A request's costs with the engine's drafter (None: copies alone), on this engine's
+        curves (rounds move them for the requests after)."""
+        verify, spread, rollback = self.curve(target), self.spread(target), self.rollback(target)
+        draft_model = drafter.model if drafter is not None else None  # (the heads' cache is simply cut)
+        draft_rollback = self.rollback(draft_model) if draft_model is not None else None
+        return RoundCosts(verify, self.draft_step(drafter), rollback, draft_rollback, spread)
 
     def answered(self, seconds: float, costs: RoundCosts | None) -> None:
         """An answer took `seconds` with these `costs` (None: none planned): schedule a re-check.

@@ -11,7 +11,7 @@ from . import calibration
 from .chat import PromptTooLong, render
 from .controller import Controller, Drafters
 from .costs import MachineCosts, Recheck, answers_side_by_side
-from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter
+from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter, HeadsDrafter
 from .errors import EdgespecError, PromptExceedsContext
 from .fim import FimPrompt, FimTokens, Infill
 from .grammar import Grammar, grammar_text
@@ -82,8 +82,16 @@ class Engine:
 
     @property
     def draft_model(self) -> Model | None:
-        """The draft model, if the drafter runs one."""
+        """The draft model, if the drafter runs one (the target's own heads are no model of their own)."""
         return self.drafter.model if self.drafter is not None else None
+
+    @property
+    def draft_name(self) -> str | None:
+        """What drafts besides the copies, as the shells name it: the draft model's file, the
+        target's own MTP heads, or None."""
+        if isinstance(self.drafter, HeadsDrafter):
+            return "its own MTP heads"
+        return self.draft_model.path.name if self.draft_model is not None else None
 
     def upkeep(self, until: float | None = None) -> None:
         """The idle work there is: time again the costs the last answers found stale, and read
@@ -311,7 +319,7 @@ class Engine:
 
     def _controller(self, request: Request, copy: CopyDrafter) -> Controller:
         planned = adaptive(request.draft_mode, request.gamma)  # else nothing is planned: no costs needed
-        costs = self.costs.of_request(self.target, self.draft_model) if planned else None
+        costs = self.costs.of_request(self.target, self.drafter) if planned else None
         drafters = Drafters(copy, self.drafter, self.forced)
         return Controller(request.draft_mode, request.gamma, costs, drafters)
 
@@ -380,6 +388,8 @@ class Engine:
     def close(self) -> None:
         """Keep what real rounds taught about costs, then free llama.cpp's memory."""
         self.costs.save()
+        if isinstance(self.drafter, HeadsDrafter):  # (a context on the target's weights: freed before them)
+            self.drafter.heads.close()
         for model in self._owned:
             model.close()
 

@@ -31,6 +31,16 @@ QUANT = re.compile(r"(?i)(?<![A-Z0-9])((?:I?Q\d+(?:_[A-Z0-9]+)*)|BF16|F16|F32)(?
 REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
+def split_parts(name: str) -> list[str]:
+    """The file names of every part of a split GGUF, given its first part's (llama.cpp's gguf-split
+    names them -0000i-of-0000N); any other name alone."""
+    split = SPLIT.search(name)
+    if split is None:
+        return [name]
+    stem, count = name[: split.start()], int(split.group(2))
+    return [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
 def is_hub_name(name: object) -> bool:
     return isinstance(name, str) and name.startswith(PREFIX)
 
@@ -134,14 +144,12 @@ def _by_quant(wanted: HubName, models: list[HubFile]) -> HubFile:
 
 def _parts(first: HubFile, files: list[HubFile]) -> list[HubFile]:
     """A file and, if it is the first part of a split GGUF, the other parts (all must be listed)."""
-    split = SPLIT.search(first.path)
-    if split is None:
+    names = split_parts(first.path)
+    if len(names) == 1:
         return [first]
-    stem, count = first.path[: split.start()], int(split.group(2))
     by_path = {f.path: f for f in files}
-    names = [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
     if missing := [name for name in names if name not in by_path]:
-        raise EdgespecError(f"{first.path} is split in {count} parts but the repo lacks {', '.join(missing)}")
+        raise EdgespecError(f"{first.path} is split in {len(names)} parts but the repo lacks {', '.join(missing)}")
     return [by_path[name] for name in names]
 
 

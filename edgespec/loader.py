@@ -9,12 +9,14 @@ from dataclasses import dataclass
 
 from .calibration import choose_flash_attn
 from .chat import validate_template
-from .drafters import ModelDrafter
+from .drafters import HeadsDrafter, ModelDrafter
 from .engine import Engine
 from .errors import EdgespecError
+from .heads import Heads, has_heads
 from .model import KV_MEMORY_SHARE, MAX_SNAPSHOTS, Model, compatibility_problem, header_chat_template
 from .modes import DraftMode, Gamma, check_mode
-from .pairing import find_draft
+from .modes import draft_mode as parse_mode
+from .pairing import HEADS, find_draft
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .registry import cached_path, load_registry
 from .resolve import resolve_model
@@ -70,9 +72,11 @@ def load(
     pair: a pair name from models.toml (default: its default_pair) — or give
     target (and draft) as registry names, hub names (hf:OWNER/REPO[:QUANT] or
     hf:OWNER/REPO/FILE.gguf, see hub.py) or .gguf paths, and draft="auto" for the best draft
-    model this target can have (pairing.py: said on stderr with progress); without a draft model
-    only the free copy drafter is there. gamma (an int, or "auto"; None: the pair's, else auto)
-    and draft_mode (auto, model, copy, hybrid, off) are the engine's defaults;
+    this target can have (pairing.py: said on stderr with progress), draft="heads" for its own
+    MTP heads (heads.py); a target whose file has MTP heads drafts with them unless a draft
+    model is given; without either only the free copy drafter is there. gamma (an int, or
+    "auto"; None: the pair's, else auto) and draft_mode (auto, model, copy, hybrid, off; model and
+    hybrid draft with the heads where they are the drafter) are the engine's defaults;
     auto measures this machine's costs at first use and chooses per round.
     n_ctx: the context in tokens; None: the target's trained context, capped so that both
     KV caches take at most a quarter of this machine's memory (the draft gets the same size).
@@ -101,11 +105,15 @@ def load(
         if progress:
             print(choice.summary(), file=sys.stderr, flush=True)
         draft = choice.draft
-    draft_mode = check_mode(draft_mode, has_model=draft is not None)
     if not 1 <= parallel <= MAX_PARALLEL:
         raise EdgespecError(f"parallel must be 1..{MAX_PARALLEL} requests at once, got {parallel}")
+    draft_mode = parse_mode(draft_mode)  # (whether it needs a draft is known once the target's file is)
 
-    paths = [resolve_model(m, offline=offline, progress=progress) for m in (target, draft) if m is not None]
+    paths = [resolve_model(m, offline=offline, progress=progress) for m in (target, draft) if m not in (None, HEADS)]
+    heads = has_heads(paths[0]) if draft in (None, HEADS) else False
+    if draft == HEADS and not heads:
+        raise EdgespecError(f"{paths[0].name} has no MTP heads of its own; give a draft model or --draft auto")
+    draft_mode = check_mode(draft_mode, has_model=draft is not None or heads)
     if check_template and (template := header_chat_template(paths[0])) is not None:  # what fails cheaply fails first
         validate_template(template)
     models: list[Model] = []
@@ -124,6 +132,7 @@ def load(
                     kv_memory_share=share,
                     snapshots=snapshots,
                     n_seq=parallel,
+                    load_mtp=heads and not models,
                 )
             )
         drafter = None
@@ -133,6 +142,9 @@ def load(
             drafter = ModelDrafter(models[1], target_vocab=models[0].n_vocab)
         for model in models:  # measured once per machine; the same for every run, so outputs agree
             choose_flash_attn(model)
+        if heads:
+            models[0].export_hidden()
+            drafter = HeadsDrafter(Heads(models[0]))
         if cache_ram > 0:
             cache = PromptCache(cache_ram << 20)
             for model in models:

@@ -34,6 +34,7 @@ from typing import TypeVar
 
 import llama_cpp
 import llama_cpp._logger
+import llama_cpp.llama_cpp_ext as llama_ext
 import numpy as np
 
 from .errors import EdgespecError
@@ -48,6 +49,7 @@ MAX_SNAPSHOTS = 64  # the longest draft a target verifies (a 64-token copy) is c
 SNAPSHOT_MEMORY_SHARE = 0.05  # llama.cpp's recurrent snapshots take at most this share of memory
 PARTIAL_ONLY = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # a state's recurrent part alone
 SNAPSHOT_PROBE = (1, 2, 3, 4)  # tokens of the snapshot probe (any ids: it compares logits, not text)
+HIDDEN_MEMORY = 64 << 20  # bytes of hidden states a sequence keeps for MTP layers that have not read them
 
 # llama.cpp logs model loading to stderr; keep the terminal for the answer.
 if not os.environ.get("EDGESPEC_VERBOSE"):
@@ -119,6 +121,48 @@ class SequenceState:
     last_decode: int = 0  # which of the context's decodes that was (the snapshots are the last decode's)
     snapshot_pending: bool = False  # a snapshot rollback is used once, by the next decode
     last_used: int = 0  # when use() last chose it (of the free ones, the least recently used is taken first)
+    hidden: HiddenStates | None = None  # where the model exports them (Model.export_hidden), those not yet taken
+
+
+@dataclass
+class HiddenStates:
+    """The hidden states of consecutive positions from `at` on (a row each), as the target's last
+    layer left them: what MTP layers read (heads.py)."""
+
+    at: int
+    blocks: list[np.ndarray] = field(default_factory=list)  # of rows, one per decode
+
+    @property
+    def end(self) -> int:
+        return self.at + sum(len(block) for block in self.blocks)
+
+    def add(self, newer: HiddenStates, limit: int = HIDDEN_MEMORY) -> HiddenStates:
+        """These, with `newer`'s rows in place of those from newer.at on (where they do not follow
+        or overlap these: newer's alone); the oldest blocks dropped past `limit` bytes."""
+        kept = self.cut(newer.at) if self.at <= newer.at <= self.end else None
+        kept = HiddenStates(newer.at) if kept is None else kept
+        kept.blocks += newer.blocks
+        while sum(block.nbytes for block in kept.blocks) > limit and len(kept.blocks) > 1:
+            kept.at += len(kept.blocks.pop(0))
+        return kept
+
+    def cut(self, n: int) -> HiddenStates | None:
+        """Those of the positions before n (None: none)."""
+        if n <= self.at:
+            return None
+        if n >= self.end:
+            return HiddenStates(self.at, list(self.blocks))
+        return HiddenStates(self.at, [self.rows(self.at, n)])
+
+    def rows(self, first: int, end: int) -> np.ndarray:
+        """The rows of positions first..end-1 (all held), read from the blocks they lie in alone
+        (a round reads a few rows of a long text's)."""
+        parts, at = [], self.at
+        for block in self.blocks:
+            if at < end and first < at + len(block):
+                parts.append(block[max(first - at, 0) : end - at])
+            at += len(block)
+        return np.concatenate(parts) if parts else np.empty((0, self.blocks[0].shape[1]), np.float32)
 
 
 _uses = itertools.count(1)
@@ -301,6 +345,7 @@ class Model(Tokenizer):
         kv_memory_share: float = KV_MEMORY_SHARE,
         snapshots: int = MAX_SNAPSHOTS,
         n_seq: int = 1,
+        load_mtp: bool = False,
     ) -> None:
         """n_ctx: context size in tokens; None: the model's trained context, or less if its
         KV cache would take more than kv_memory_share of this machine's memory.
@@ -317,7 +362,9 @@ class Model(Tokenizer):
         with n_ctx cells of its own: llama.cpp's unified cache, where they share cells, computes
         other logits for a sequence once its neighbours' cells lie among its own (measured: up
         to 1.4 apart on SmolLM2-135M, with and without flash attention; llama.cpp issue 24962),
-        and an answer's law must not depend on what runs beside it."""
+        and an answer's law must not depend on what runs beside it.
+        load_mtp: its multi-token-prediction layers loaded too, for heads.Heads (llama.cpp skips them
+        otherwise)."""
         self.path = check_gguf(path)
         self._model = self._ctx = self._batch = None
         self.n_threads = n_threads or os.cpu_count() or 1
@@ -328,6 +375,7 @@ class Model(Tokenizer):
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
         model_params.use_extra_bufts = repack
+        model_params.load_mtp = load_mtp
         self._model = _load(self.path, model_params)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
@@ -336,6 +384,7 @@ class Model(Tokenizer):
         self._now = self._sequences[0]
         self._decodes = 0  # llama_decode calls so far, of all sequences
         self.prompt_cache: PromptCache | None = None  # saved states of other prompts (see prompt_cache.py)
+        self.hidden_width = 0  # > 0: each decode's hidden states kept per sequence (export_hidden)
         self.recurrent = bool(
             llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model)
         )
@@ -356,6 +405,37 @@ class Model(Tokenizer):
     def tokens(self) -> list[int]:
         """What the cache holds in the current sequence."""
         return self._now.tokens
+
+    @property
+    def llama_model(self):
+        """llama.cpp's model (for a second context on its weights: heads.py)."""
+        return self._model
+
+    def export_hidden(self) -> None:
+        """From now on keep the hidden state of every position each decode writes, per sequence,
+        until take_hidden() (for MTP layers, heads.py)."""
+        self.hidden_width = llama_cpp.llama_model_n_embd_out(self._model)
+        self._export_hidden()
+
+    def _export_hidden(self) -> None:
+        llama_ext.llama_set_embeddings_nextn(self._ctx, True, False)  # of every token, not only the output rows
+
+    def take_hidden(self) -> HiddenStates | None:
+        """The hidden states the current sequence's decodes kept since the last take (None: none)."""
+        hidden, self._now.hidden = self._now.hidden, None
+        return hidden
+
+    def _keep_hidden(self, state: SequenceState, index: int, count: int) -> None:
+        """After a decode: the hidden states of its tokens index..index+count-1, which the
+        sequence holds at its last `count` positions."""
+        if not self.hidden_width:
+            return
+        states = llama_ext.llama_get_embeddings_nextn(self._ctx)
+        if not states:
+            raise EdgespecError(f"llama.cpp kept no hidden states of {self.path.name}; use --no-draft")
+        block = np.ctypeslib.as_array(states, shape=(index + count, self.hidden_width))[index:].copy()
+        newer = HiddenStates(len(state.tokens) - count, [block])
+        state.hidden = newer if state.hidden is None else state.hidden.add(newer)
 
     def use(self, seq: int) -> None:
         """Work on sequence `seq` from now on (each request answered at once has its own)."""
@@ -399,6 +479,8 @@ class Model(Tokenizer):
             self.close()
             raise EdgespecError(f"llama.cpp could not create a {n_ctx}-token context for {self.path}; lower --ctx")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
+        if self.hidden_width:  # (a context made again: set_flash_attn)
+            self._export_hidden()
         if n_snapshots is None and self.n_snapshots:  # llama.cpp keeps none for architectures without them
             self.n_snapshots = min(self.n_snapshots, llama_cpp.llama_n_rs_seq(self._ctx))
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self._ctx)  # a sequence's (llama.cpp rounds it up to 256)
@@ -509,7 +591,7 @@ class Model(Tokenizer):
         if not self.recurrent:
             if not llama_cpp.llama_memory_seq_rm(self._memory, self.seq, n, -1):
                 raise EdgespecError(f"llama.cpp refused to cut the cache of {self.path.name}; report this as a bug")
-            del self.tokens[n:]
+            self._drop_from(n)
             return n
         # a snapshot: only of the last pass (llama.cpp's other slots are stale), once per decode
         in_last_pass = len(self.tokens) - n <= min(self.n_snapshots, self._now.last_pass - 1)
@@ -544,6 +626,8 @@ class Model(Tokenizer):
         del self.tokens[n:]
         if self._now.checkpoint is not None and self._now.checkpoint.n_tokens > n:
             self._now.checkpoint = None
+        if self._now.hidden is not None:
+            self._now.hidden = self._now.hidden.cut(n)
 
     def _clear(self) -> None:
         if llama_cpp.llama_memory_seq_rm(self._memory, self.seq, 0, -1):
@@ -633,6 +717,7 @@ class Model(Tokenizer):
             self._decodes += 1
             self._now.last_pass, self._now.last_decode = len(chunk), self._decodes
             self.tokens.extend(chunk)
+            self._keep_hidden(self._now, 0, len(chunk))
         if rows is not None:
             ptr = llama_cpp.llama_get_logits(self._ctx)
             return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
@@ -717,13 +802,15 @@ class Model(Tokenizer):
         rows = np.ctypeslib.as_array(
             llama_cpp.llama_get_logits(self._ctx), shape=(sum(p.rows or 1 for p in ok), self.n_vocab)
         )
-        row = 0
+        row = index = 0
         for one in ok:
             state = self._sequences[one.seq]
             n = one.rows or 1
             one.logits = rows[row : row + n] if one.rows is not None else rows[row]
             row += n
             state.tokens.extend(one.tokens)
+            self._keep_hidden(state, index, len(one.tokens))
+            index += len(one.tokens)
             state.snapshot_pending = False
             state.last_pass, state.last_decode = len(one.tokens), self._decodes
             one.seconds = seconds

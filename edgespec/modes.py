@@ -50,9 +50,15 @@ class Source(_Name):
 
     OFF = "off"  # no draft: a plain target step
     MODEL = "model"
+    HEADS = "heads"  # the target's own multi-token-prediction layers (in the draft model's place)
     COPY = "copy"  # copied from the context
     PREDICTION = "prediction"  # copied from the request's predicted output
     GRAMMAR = "grammar"  # the text the request's grammar forces
+
+    @property
+    def runs_model(self) -> bool:
+        """Made by running a model (a draft model, or the target's own heads): each step costs."""
+        return self in (Source.MODEL, Source.HEADS)
 
     @property
     def free(self) -> bool:

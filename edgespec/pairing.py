@@ -1,7 +1,8 @@
 """--draft auto: a draft model for a target, as llama.cpp pairs them (one tokenizer:
 model.tokenizer_mismatch) and small enough to pay (at most MAX_SHARE of the target's size).
 
-In order: the smallest such model among those downloaded (the registry's and the hub's);
+In order: the target's own MTP heads, where its file has them (heads.py: no second model
+file); the smallest such model among those downloaded (the registry's and the hub's);
 else the first of the target's family in models.toml ([families]: small models known to draft
 for it, by registry or hub name, only smaller than the target) that can be fetched and shares
 the tokenizer; else none, and the copy drafter works alone. Each candidate is judged on its
@@ -17,11 +18,13 @@ from pathlib import Path
 
 from . import hub
 from .errors import EdgespecError
-from .hub import SPLIT
+from .heads import has_heads
+from .hub import split_parts
 from .model import Vocabulary, tokenizer_mismatch
 from .registry import FamilyEntry, cached_path, load_registry, verify_cached
 from .resolve import resolve_model
 
+HEADS = "heads"  # a draft that is the target's own MTP heads (heads.py), not a model file
 MAX_SHARE = 0.25  # a draft model at most this share of the target's size (LM Studio's and our pairs' order)
 
 
@@ -38,11 +41,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class DraftChoice:
-    draft: str | None  # the name to load as the draft model; None: none fits
+    draft: str | None  # the name to load as the draft model, or HEADS; None: none fits
     candidates: list[Candidate]
 
     def summary(self) -> str:
         """One line: which draft model was taken and why, or why none was."""
+        if self.draft == HEADS:
+            return "draft: the target's own MTP heads (no second model file)"
         if self.draft is not None:
             taken = next(c for c in self.candidates if c.taken)
             return f"draft model: {taken.name} ({taken.verdict})"
@@ -56,8 +61,10 @@ def find_draft(target: str, *, offline: bool = False, progress: bool = True) -> 
     candidates: list[Candidate] = []
     with Vocabulary(target_path) as vocabulary:
         architecture = vocabulary.metadata("general.architecture")
-        if int(vocabulary.metadata(f"{architecture}.nextn_predict_layers") or 0) > 0:
-            candidates.append(Candidate(target, target_size, "its own MTP heads: not drafted with yet"))
+        if has_heads(target_path):  # (then any draft model found is listed, not taken)
+            candidates.append(Candidate(target, target_size, "its own MTP heads: no second model file", taken=True))
+        elif int(vocabulary.metadata(f"{architecture}.nextn_predict_layers") or 0) > 0:
+            candidates.append(Candidate(target, target_size, "MTP heads named in its metadata, not in its file"))
         for name, size in sorted(_downloaded(), key=lambda found: found[1]):
             try:
                 path = _verified(name)
@@ -72,7 +79,7 @@ def find_draft(target: str, *, offline: bool = False, progress: bool = True) -> 
             if candidates[-1].taken:
                 break
     taken = next((c.name for c in candidates if c.taken), None)
-    return DraftChoice(taken, candidates)
+    return DraftChoice(HEADS if candidates and candidates[0].name == target and taken == target else taken, candidates)
 
 
 def _judge(
@@ -140,8 +147,4 @@ def _any_taken(candidates: list[Candidate]) -> bool:
 
 def _bytes(path: Path) -> int:
     """A GGUF's size, all its parts for a split one (they lie beside the first)."""
-    split = SPLIT.search(path.name)
-    if split is None:
-        return path.stat().st_size
-    stem, count = path.name[: split.start()], int(split.group(2))
-    return sum((path.parent / f"{stem}-{i:05d}-of-{count:05d}.gguf").stat().st_size for i in range(1, count + 1))
+    return sum(path.with_name(name).stat().st_size for name in split_parts(path.name))

@@ -117,7 +117,7 @@ def run_rounds(engine: Engine, repeats: int, log: Callable[[str], None]) -> dict
     prediction = engine.generate(Request(PROMPT, SAMPLED, max_tokens=MAX_TOKENS, draft_mode="off", raw=raw)).text
     rows = []
     for case in CASES:
-        if case.mode is DraftMode.MODEL and engine.draft_model is None:
+        if case.mode is DraftMode.MODEL and engine.drafter is None:
             continue
         request = Request(
             PROMPT,

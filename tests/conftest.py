@@ -10,6 +10,7 @@ from reference import excused
 from edgespec import Engine, Model, ModelDrafter, calibration
 from edgespec.cost_curve import UNSPREAD, BatchSpread, CostCurve
 from edgespec.costs import MachineCosts
+from edgespec.drafters import HeadsDrafter
 from edgespec.resolve import resolve_model
 from edgespec.sampling import distribution, position_uniforms
 
@@ -78,6 +79,11 @@ class GpuCosts(MachineCosts):
 
     def spread(self, model: Model) -> BatchSpread:
         return UNSPREAD  # a pass spread over sequences costs as one sequence's
+
+    def draft_step(self, drafter):
+        if isinstance(drafter, HeadsDrafter):  # the target's heads: a step a tenth of the target's, as a draft model's
+            return FixedCurve({k: 0.001 for k in calibration.DRAFT_SIZES})
+        return super().draft_step(drafter)
 
 
 class FixedCurve(CostCurve):

@@ -36,6 +36,19 @@ def _tokenizer_fields(source: Path) -> list[tuple[str, object, gguf.GGUFValueTyp
     return fields
 
 
+def _write_out(writer: gguf.GGUFWriter, fields, tensors: dict[str, np.ndarray]) -> None:
+    """The tokenizer's fields and the tensors (as float32) into the file, and close it."""
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for name, value, vtype, sub in fields:
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _mamba_layer(rng, prefix: str, *, normed: bool) -> dict[str, np.ndarray]:
     d_inner = 2 * N_EMBD
     tensors = {
@@ -176,13 +189,74 @@ def write_tiny(
         writer.add_ssm_inner_size(2 * N_EMBD)
         writer.add_ssm_state_size(D_STATE)
         writer.add_ssm_time_step_rank(DT_RANK)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for name, value, vtype, sub in fields:
-        writer.add_key_value(name, value, vtype, sub_type=sub)
-    for name, tensor in tensors.items():
-        writer.add_tensor(name, tensor.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_out(writer, fields, tensors)
     return writer.format_shard_names(path)[0] if split_tensors else path
+
+
+MTP_EXPERTS, MTP_EXPERTS_USED, MTP_FF_EXPERT = 4, 2, 32  # the MTP block's MoE (llama.cpp's GLM-4.5 graph has only that)
+
+
+def write_tiny_mtp(
+    path: Path, tokenizer: Path, *, seed: int = 0, copying: bool = False, loose: bool = False, heads: bool = True
+) -> Path:
+    """A GLM-4.5-shaped model (glm4moe) with a multi-token-prediction head: a dense first block
+    (the trunk) and the MoE block after it that holds the NextN tensors (nextn_predict_layers 1),
+    as GLM-4.5's GGUFs have them. copying: every weight but the embeddings near zero and the head's
+    eh_proj = [I | 0], so the target repeats its last token and the head predicts the same: every
+    draft is accepted (else random weights: almost none is). loose (with copying): small embeddings,
+    so that the target's law at temperature 1 spreads beyond its repeat, and noise in eh_proj, so
+    that the head's law is another: drafts accepted and rejected. heads=False: the MTP block left out
+    and its count kept in the metadata, as many GGUFs of these models are made."""
+    rng = np.random.default_rng(seed)
+    fields = _tokenizer_fields(tokenizer)
+    n_vocab = len(next(value for name, value, *_ in fields if name == gguf.Keys.Tokenizer.LIST))
+    scale = 1e-4 if copying else 1.0
+
+    def normal(std, shape):
+        return rng.normal(0, std * scale, shape)
+
+    tensors: dict[str, np.ndarray] = {"token_embd.weight": rng.normal(0, 0.1 if loose else 1.0, (n_vocab, N_EMBD))}
+    tensors["output_norm.weight"] = np.ones(N_EMBD)
+    for i in range(2):
+        prefix = f"blk.{i}"
+        tensors[f"{prefix}.attn_norm.weight"] = np.ones(N_EMBD)
+        tensors[f"{prefix}.post_attention_norm.weight"] = np.ones(N_EMBD)
+        tensors |= {k: normal(0.3, v.shape) for k, v in _attention_layer(rng, prefix, qk_norm=False).items()}
+    tensors |= {k: v for k, v in _ffn(rng, "blk.0", norm=False).items()}
+    tensors = {k: v * scale if k.startswith("blk.0.ffn") else v for k, v in tensors.items()}
+    moe = "blk.1"
+    tensors[f"{moe}.ffn_gate_inp.weight"] = normal(0.2, (MTP_EXPERTS, N_EMBD))
+    tensors[f"{moe}.exp_probs_b.bias"] = np.zeros(MTP_EXPERTS)
+    for part in ("gate", "up"):
+        tensors[f"{moe}.ffn_{part}_exps.weight"] = normal(0.2, (MTP_EXPERTS, MTP_FF_EXPERT, N_EMBD))
+        tensors[f"{moe}.ffn_{part}_shexp.weight"] = normal(0.2, (MTP_FF_EXPERT, N_EMBD))
+    tensors[f"{moe}.ffn_down_exps.weight"] = normal(0.2, (MTP_EXPERTS, N_EMBD, MTP_FF_EXPERT))
+    tensors[f"{moe}.ffn_down_shexp.weight"] = normal(0.2, (N_EMBD, MTP_FF_EXPERT))
+    # eh_proj reads [normed embedding of the next token | normed hidden state of the target]
+    eh_proj = np.hstack([np.eye(N_EMBD), np.zeros((N_EMBD, N_EMBD))]) if copying else normal(0.2, (N_EMBD, 2 * N_EMBD))
+    if loose:
+        eh_proj += rng.normal(0, 0.03, eh_proj.shape)
+    tensors[f"{moe}.nextn.eh_proj.weight"] = eh_proj
+    tensors[f"{moe}.nextn.enorm.weight"] = np.ones(N_EMBD)
+    tensors[f"{moe}.nextn.hnorm.weight"] = np.ones(N_EMBD)
+    if not heads:
+        tensors = {name: t for name, t in tensors.items() if not name.startswith(f"{moe}.")}
+
+    arch = "glm4moe"
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(2)
+    writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    writer.add_uint32(f"{arch}.leading_dense_block_count", 1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_expert_count(MTP_EXPERTS)
+    writer.add_expert_used_count(MTP_EXPERTS_USED)
+    writer.add_expert_shared_count(1)
+    writer.add_expert_feed_forward_length(MTP_FF_EXPERT)
+    _write_out(writer, fields, tensors)
+    return path

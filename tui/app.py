@@ -141,7 +141,7 @@ class ChatApp(App):
 
     def _engine_ready(self, engine: edgespec.Engine) -> None:
         self.sub_title = engine.target.path.name + (
-            f" ← {engine.draft_model.path.name}" if engine.draft_model is not None else " (copy drafts only)"
+            f" ← {engine.draft_name}" if engine.draft_name is not None else " (copy drafts only)"
         )
         self.notify(f"Loaded {self.sub_title}")
 

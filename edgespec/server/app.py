@@ -197,7 +197,10 @@ class Api:
         self.completion = OpenAIChat(model_name, chat=False)
         self.messages = anthropic_api.Messages(model_name)
         self.responses = Responses(model_name)
-        n_ctx = worker.wait_loaded().target.n_ctx
+        engine = worker.wait_loaded()
+        n_ctx = engine.target.n_ctx
+        if draft_name in (None, "auto", "heads"):  # what was found: a draft model's file, or the target's heads
+            self.draft_name = engine.draft_name
         self.completion_native = LlamaServer(model_name, n_ctx, infill=False)
         self.infill = LlamaServer(model_name, n_ctx, infill=True)
 
