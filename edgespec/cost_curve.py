@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -159,12 +159,17 @@ class BatchSpread:
     cache; 1.04 and 1.07 at 400); linear in between, the last factor beyond."""
 
     factors: dict[int, float]
+    _knots: tuple[list[int], list[float]] = field(init=False, repr=False, compare=False)  # read every round
+
+    def __post_init__(self) -> None:
+        known = sorted(k for k in self.factors if k > 1)
+        object.__setattr__(self, "_knots", ([1, *known], [1.0, *(self.factors[k] for k in known)]))
 
     def __call__(self, sequences: int) -> float:
-        known = sorted(k for k in self.factors if k > 1)
-        if sequences <= 1 or not known:
+        sizes, factors = self._knots
+        if sequences <= 1 or len(sizes) == 1:
             return 1.0
-        return float(np.interp(sequences, [1, *known], [1.0, *(self.factors[k] for k in known)]))
+        return float(np.interp(sequences, sizes, factors))
 
     def to_json(self) -> dict:
         return {"factors": _str_keys(self.factors)}
