@@ -13,7 +13,7 @@ import pytest
 from conftest import FixedCurve, GpuCosts
 from reference import assert_first_token_law, assert_greedy_as_llama
 from test_cli import run
-from tiny_models import write_tiny_mtp
+from tiny_models import write_tiny, write_tiny_mtp
 
 import edgespec
 from edgespec import calibration
@@ -192,3 +192,15 @@ def test_the_heads_step_is_timed_leaving_their_cache_as_it_was(engines):
     second = engine.generate(longer, raw=True, max_tokens=12, temperature=0, draft_mode="model", gamma=3)
     assert_greedy_as_llama("after timing", engine, longer, second.tokens, raw=True, limit=12)
     assert second.stats.accepted_by_source["heads"] >= 8
+
+
+def test_a_hybrid_target_drafts_with_its_heads_exactly(smollm2_path, tmp_path):
+    """Qwen3.5 (Gated DeltaNet and attention) with its MTP block: its recurrent state is cut back by
+    llama.cpp's snapshots after every rejected draft, its hidden states kept across those cuts,
+    and the greedy answer is Llama's."""
+    path = write_tiny(tmp_path / "qwen35-mtp.gguf", "qwen35", smollm2_path, mtp=True)
+    with edgespec.load(target=str(path), n_ctx=1024, cache_ram=0) as engine:
+        assert engine.draft_name == "its own MTP heads" and engine.target.rollback.value == "snapshots"
+        answer = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, draft_mode="model", gamma=3)
+        assert_greedy_as_llama("qwen35 with heads", engine, PROMPT, answer.tokens, raw=True, limit=LENGTH)
+        assert answer.stats.drafted_by_source["heads"] > LENGTH  # (random heads: nearly all rejected, cut back)

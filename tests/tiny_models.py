@@ -125,12 +125,21 @@ ATTENTION_LAYERS = {"mamba": (), "jamba": (1, 3), "lfm2": (1, 3), "qwen35": (3,)
 
 
 def write_tiny(
-    path: Path, arch: str, tokenizer: Path, *, seed: int = 0, noise: float = 0.0, split_tensors: int = 0
+    path: Path,
+    arch: str,
+    tokenizer: Path,
+    *,
+    seed: int = 0,
+    noise: float = 0.0,
+    split_tensors: int = 0,
+    mtp: bool = False,
 ) -> Path:
     """A random `arch` model at `path`; `noise` > 0 perturbs the last block's weights of `seed`
     by that share (a draft model that agrees with its target often, not always). split_tensors:
     written as a split GGUF of that many tensors a part (path's stem-0000i-of-0000N.gguf, as
-    llama.cpp's gguf-split names them; the first part is returned)."""
+    llama.cpp's gguf-split names them; the first part is returned). mtp (qwen35): a
+    multi-token-prediction block after the trunk, as Qwen3.5's GGUFs have it (a full-attention
+    block with the NextN tensors; random: its drafts are almost never accepted)."""
     rng = np.random.default_rng(seed)
     fields = _tokenizer_fields(tokenizer)
     n_vocab = len(next(value for name, value, *_ in fields if name == gguf.Keys.Tokenizer.LIST))
@@ -155,6 +164,14 @@ def write_tiny(
             tensors |= _mamba_layer(rng, prefix, normed=arch == "jamba")
         if arch != "mamba":
             tensors |= _ffn(rng, prefix, norm=arch != "qwen35")
+    if mtp:
+        prefix = f"blk.{N_LAYER}"
+        tensors[f"{prefix}.attn_norm.weight"] = np.ones(N_EMBD)
+        tensors[f"{prefix}.post_attention_norm.weight"] = np.ones(N_EMBD)
+        tensors |= _gated_attention_layer(rng, prefix) | _ffn(rng, prefix, norm=False)
+        tensors[f"{prefix}.nextn.eh_proj.weight"] = rng.normal(0, 0.2, (N_EMBD, 2 * N_EMBD))
+        tensors[f"{prefix}.nextn.enorm.weight"] = np.ones(N_EMBD)
+        tensors[f"{prefix}.nextn.hnorm.weight"] = np.ones(N_EMBD)
     if noise:  # in the last block only: perturbing every layer of a random network changes nearly every token
         other = np.random.default_rng(seed + 1)
         last = f"blk.{N_LAYER - 1}."
@@ -166,7 +183,9 @@ def write_tiny(
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_tensors)
     writer.add_context_length(4096)
     writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
+    writer.add_block_count(N_LAYER + mtp)
+    if mtp:
+        writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
     writer.add_layer_norm_rms_eps(1e-5)
     if arch != "mamba":
         writer.add_feed_forward_length(N_FF)
