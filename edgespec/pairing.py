@@ -93,7 +93,7 @@ def _judge(
         if mismatch := tokenizer_mismatch(target, draft):
             return Candidate(name, size, f"another tokenizer: {mismatch}")
     if taken:
-        return Candidate(name, size, f"fits, {share:.2f} of the target's size, but a smaller one was taken")
+        return Candidate(name, size, f"fits, {share:.2f} of the target's size, but one listed before it was taken")
     return Candidate(name, size, f"shares the tokenizer, {share:.2f} of the target's size", taken=True)
 
 
