@@ -39,6 +39,7 @@ import edgespec
 from edgespec import Request, SamplingParams, calibration
 from edgespec.bench import mode_rows, run_modes
 from edgespec.engine import Engine
+from edgespec.kernels import choose_repack
 from edgespec.modes import AUTO
 from edgespec.prompt_cache import common_prefix
 from edgespec.round_bench import python_per_round
@@ -160,6 +161,8 @@ def backend_sampling(path: Path, gpu_layers: int, tries: int = 20) -> dict:
     `tries`, alternating), and whether the candidates give the rows' own laws."""
     model_params = llama_cpp.llama_model_default_params()
     model_params.n_gpu_layers = gpu_layers
+    # the kernels edgespec runs here: on an AMX Xeon the repacked ones crash the process (kernels.py)
+    model_params.use_extra_bufts = choose_repack(path, os.cpu_count() or 1, gpu_layers)
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())

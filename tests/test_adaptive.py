@@ -598,7 +598,9 @@ def test_a_curve_timed_on_a_busy_machine_is_renewed_after_one_answer(tmp_path, m
     assert engine.costs.recheck is Recheck.ALL
     engine.upkeep()
     renewed = engine.costs.curve(smollm2)
-    assert renewed(1) < 1.5 * quiet(1) and renewed(16) < 1.5 * quiet(16)
+    # timed again, not the 3x kept: within 2x of the first timing (on an AMX Xeon, 2 cores, the
+    # second timing of a quiet machine came out 1.37x and 1.55x of the first)
+    assert renewed(1) < 2 * quiet(1) and renewed(16) < 2 * quiet(16)
     assert renewed.due() is None
 
 
