@@ -206,7 +206,7 @@ class RoundCosts:
 
     def planned(self, source: Source, gamma: int, alpha: float = 1.0) -> float:
         """A round's expected seconds by the curves alone (a copy is free, a model draft is not)."""
-        return self.model_round(gamma, alpha) if source.runs_model else self.verify_round(gamma, alpha)
+        return self.model_round(gamma, alpha) if source is Source.MODEL else self.verify_round(gamma, alpha)
 
     def expected(self, source: Source, gamma: int, alpha: float = 1.0) -> float:
         """A round's expected seconds, as its kind of round has really been running in this request."""
@@ -219,11 +219,11 @@ class RoundCosts:
 
     def of_round(self, source: Source, gamma: int, accepted: int) -> float:
         """What a finished round should have cost by the curves, given what it kept."""
-        step = self.draft_step() if source.runs_model else 0.0
+        step = self.draft_step() if source is Source.MODEL else 0.0
         cost = gamma * step + self.in_batch(gamma + 1)
         if self._verify_rollback is not None and gamma:
             cost += self._verify_rollback.of_round(gamma, accepted, self._verify)
-        if self._draft_rollback is not None and source.runs_model and gamma:
+        if self._draft_rollback is not None and source is Source.MODEL and gamma:
             cost += self._draft_rollback.of_round(gamma, accepted, _draft_again(step))
         return cost
 
@@ -251,7 +251,7 @@ class RoundCosts:
             self.live.setdefault(kind, LiveCost()).observe(timing.total, planned)
         if not timing.beside:  # a pass alone times V(k) itself
             self._verify.observe(drafted + 1 + timing.rereads, timing.verify)
-        if source.runs_model and drafted and self._draft is not None:
+        if source is Source.MODEL and drafted and self._draft is not None:
             self._draft.observe(1, timing.draft / drafted)
 
     def look_stale(self) -> bool:

@@ -56,11 +56,6 @@ class Source(_Name):
     GRAMMAR = "grammar"  # the text the request's grammar forces
 
     @property
-    def runs_model(self) -> bool:
-        """Made by running a model (a draft model, or the target's own heads): each step costs."""
-        return self in (Source.MODEL, Source.HEADS)
-
-    @property
     def free(self) -> bool:
         """Made without running a model: its acceptance is learnt from every token the target writes."""
         return self in (Source.COPY, Source.PREDICTION, Source.GRAMMAR)
