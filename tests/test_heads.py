@@ -39,6 +39,7 @@ def mtp(smollm2_path, tmp_path_factory):
         "random": write_tiny_mtp(folder / "mtp-random.gguf", smollm2_path),
         "copying": write_tiny_mtp(folder / "mtp-copying.gguf", smollm2_path, copying=True),
         "loose": write_tiny_mtp(folder / "mtp-loose.gguf", smollm2_path, copying=True, loose=True),
+        "from_state": write_tiny_mtp(folder / "mtp-state.gguf", smollm2_path, copying=True, from_state=True),
         "stripped": write_tiny_mtp(folder / "mtp-stripped.gguf", smollm2_path, heads=False),
     }
 
@@ -204,3 +205,14 @@ def test_a_hybrid_target_drafts_with_its_heads_exactly(smollm2_path, tmp_path):
         answer = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, draft_mode="model", gamma=3)
         assert_greedy_as_llama("qwen35 with heads", engine, PROMPT, answer.tokens, raw=True, limit=LENGTH)
         assert answer.stats.drafted_by_source["heads"] > LENGTH  # (random heads: nearly all rejected, cut back)
+
+
+def test_the_heads_read_the_targets_hidden_state(mtp):
+    """Heads that predict from the target's hidden state alone (eh_proj = [0 | I]) are accepted
+    throughout: each position is written with the state the target left before it."""
+    with edgespec.load(target=str(mtp["from_state"]), n_ctx=1024, cache_ram=0) as engine:
+        answer = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, draft_mode="model", gamma=3)
+        assert_greedy_as_llama("from the state", engine, PROMPT, answer.tokens, raw=True, limit=LENGTH)
+        stats = answer.stats
+        # (the first round's state is the prompt's token before the last, which the answer does not repeat)
+        assert stats.accepted_by_source["heads"] >= stats.drafted_by_source["heads"] - 3 > LENGTH / 2

@@ -216,7 +216,14 @@ MTP_EXPERTS, MTP_EXPERTS_USED, MTP_FF_EXPERT = 4, 2, 32  # the MTP block's MoE (
 
 
 def write_tiny_mtp(
-    path: Path, tokenizer: Path, *, seed: int = 0, copying: bool = False, loose: bool = False, heads: bool = True
+    path: Path,
+    tokenizer: Path,
+    *,
+    seed: int = 0,
+    copying: bool = False,
+    loose: bool = False,
+    from_state: bool = False,
+    heads: bool = True,
 ) -> Path:
     """A GLM-4.5-shaped model (glm4moe) with a multi-token-prediction head: a dense first block
     (the trunk) and the MoE block after it that holds the NextN tensors (nextn_predict_layers 1),
@@ -224,7 +231,9 @@ def write_tiny_mtp(
     eh_proj = [I | 0], so the target repeats its last token and the head predicts the same: every
     draft is accepted (else random weights: almost none is). loose (with copying): small embeddings,
     so that the target's law at temperature 1 spreads beyond its repeat, and noise in eh_proj, so
-    that the head's law is another: drafts accepted and rejected. heads=False: the MTP block left out
+    that the head's law is another: drafts accepted and rejected. from_state (with copying):
+    eh_proj = [0 | I], the head reads the target's hidden state alone (which, its weights near zero,
+    holds the last token): accepted only where it is given that state. heads=False: the MTP block left out
     and its count kept in the metadata, as many GGUFs of these models are made."""
     rng = np.random.default_rng(seed)
     fields = _tokenizer_fields(tokenizer)
@@ -253,6 +262,8 @@ def write_tiny_mtp(
     tensors[f"{moe}.ffn_down_shexp.weight"] = normal(0.2, (N_EMBD, MTP_FF_EXPERT))
     # eh_proj reads [normed embedding of the next token | normed hidden state of the target]
     eh_proj = np.hstack([np.eye(N_EMBD), np.zeros((N_EMBD, N_EMBD))]) if copying else normal(0.2, (N_EMBD, 2 * N_EMBD))
+    if copying and from_state:  # the same prediction, read from the target's hidden state instead
+        eh_proj = np.hstack([np.zeros((N_EMBD, N_EMBD)), np.eye(N_EMBD)])
     if loose:
         eh_proj += rng.normal(0, 0.03, eh_proj.shape)
     tensors[f"{moe}.nextn.eh_proj.weight"] = eh_proj
