@@ -35,6 +35,7 @@ MODES = (DraftMode.OFF, DraftMode.MODEL, DraftMode.COPY, DraftMode.HYBRID, Draft
 FIXED_GAMMA = 3  # the "model" mode's draft length unless --gamma says otherwise
 GREEDY = SamplingParams(temperature=0)
 UNCONSTRAINED = "no-grammar"  # a schema class's target alone, without its schema
+CHAINS = "chains"  # auto with chains of drafts only, where the target verifies trees (to price them)
 # what a speculating mode's row reports of its runs' combined Stats
 SPECULATION = (
     "acceptance_rate",
@@ -45,6 +46,8 @@ SPECULATION = (
     "rounds_by_source",
     "accepted_prediction_tokens",
     "rejected_prediction_tokens",
+    "tree_rounds",
+    "mean_tree_size",
 )
 
 
@@ -96,6 +99,8 @@ def run_bench(
     if concurrent_bench.NAME in (prompts or ()):
         concurrent_bench.check_engine(engine)
     modes = [m for m in MODES if m is DraftMode.OFF or (m in modes and m in engine.draft_modes)]
+    if DraftMode.AUTO in modes and engine.target.can_branch:
+        modes.append(CHAINS)
     if llama_baseline:
         modes.append("llama")
     fixed_gamma = gamma or FIXED_GAMMA
@@ -124,6 +129,8 @@ def run_bench(
         rows.append(mode_rows(prompt["name"], runs) | {"ceiling": _ceiling(verify_curve)})
         if DraftMode.AUTO in runs:
             rows[-1] |= _against_best_fixed(rows[-1]["modes"])
+        if CHAINS in runs:
+            rows[-1]["auto_vs_chains"] = _paired(rows[-1]["modes"], DraftMode.AUTO, CHAINS)
     fim = None
     if fim_bench.NAME in (prompts or ()) or (not prompts and not engine.target.fim.missing()):
         fim = fim_bench.run_fim(engine, [m for m in modes if m != "llama"], repeats, log)
@@ -164,8 +171,13 @@ def _request(mode: str, *, prompt: dict, raw: bool, max_tokens: int, gamma: int)
         GREEDY,
         max_tokens=max_tokens,
         raw=raw,
-        draft_mode=mode if mode in MODES else DraftMode.OFF,  # (llama: only its prompt is used)
+        draft_mode=DraftMode.AUTO
+        if mode == CHAINS
+        else mode
+        if mode in MODES
+        else DraftMode.OFF,  # (llama: its prompt)
         gamma=gamma if mode is DraftMode.MODEL else AUTO,
+        trees=mode != CHAINS,
         prediction=prompt.get("prediction"),
         json_schema=schema if mode != UNCONSTRAINED else None,
     )
@@ -219,10 +231,15 @@ def _against_best_fixed(modes: dict) -> dict:
     """The best fixed mode of the class (off counts) and auto's ratio to it: the median over
     repeats of the ratio within each repeat (the two ran minutes apart at most, under the
     same load; medians taken apart would compare different moments' noise)."""
-    fixed = {m: row["speedup"] for m, row in modes.items() if m not in ("auto", "llama", UNCONSTRAINED)}
+    fixed = {m: row["speedup"] for m, row in modes.items() if m not in ("auto", "llama", UNCONSTRAINED, CHAINS)}
     best = max(fixed, key=fixed.get)
-    paired = [a / b for a, b in zip(modes["auto"]["speedups"], modes[best]["speedups"], strict=True)]
-    return {"best_fixed": best, "auto_vs_best_fixed": float(np.median(paired))}
+    return {"best_fixed": best, "auto_vs_best_fixed": _paired(modes, DraftMode.AUTO, best)}
+
+
+def _paired(modes: dict, mode: str, other: str) -> float:
+    """`mode`'s speed against `other`'s: the median over repeats of the ratio within each repeat."""
+    ratios = [a / b for a, b in zip(modes[mode]["speedups"], modes[other]["speedups"], strict=True)]
+    return float(np.median(ratios))
 
 
 def mode_rows(name: str, runs: dict) -> dict:
@@ -337,10 +354,16 @@ def print_report(report: dict) -> None:
                 line += f"; tokens/answer: {by_source}"
                 if m["accepted_prediction_tokens"] or m["rejected_prediction_tokens"]:
                     line += f" prediction +{m['accepted_prediction_tokens']}/-{m['rejected_prediction_tokens']}"
+                if m["tree_rounds"]:
+                    line += f"; {m['tree_rounds']} trees of {m['mean_tree_size']:.1f} tokens"
             print(line)
         if "best_fixed" in row:
             print(
                 f"{row['prompt']:<16}auto is {row['auto_vs_best_fixed']:.2f}x the best fixed mode ({row['best_fixed']})"
+            )
+        if "auto_vs_chains" in row:
+            print(
+                f"{row['prompt']:<16}auto (trees where they pay) is {row['auto_vs_chains']:.2f}x auto with chains only"
             )
     if report["fim"]:
         fim_bench.print_rows(report["fim"])

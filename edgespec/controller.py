@@ -31,6 +31,7 @@ import numpy as np
 from .cost_curve import expected_tokens
 from .costs import DECAY, RoundCosts
 from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter, ModelDrafter
+from .drafters.copy import Alternative, branched
 from .model import Pass
 from .modes import DraftMode, Gamma, Source, adaptive
 from .prompt_cache import common_prefix
@@ -179,11 +180,20 @@ class Controller:
     is auto (modes.adaptive), a round may also draft nothing, planned on `costs`."""
 
     def __init__(
-        self, mode: DraftMode, gamma: Gamma, costs: RoundCosts | None, drafters: Drafters, seed: int = 0
+        self,
+        mode: DraftMode,
+        gamma: Gamma,
+        costs: RoundCosts | None,
+        drafters: Drafters,
+        seed: int = 0,
+        *,
+        trees: bool = False,
     ) -> None:
         """costs: the request's (needed where rounds are planned by cost, else unused); seed: of
-        the Thompson draws (fixed, so that runs repeat exactly)."""
-        self.mode, self.gamma, self.costs = mode, gamma, costs
+        the Thompson draws (fixed, so that runs repeat exactly); trees: the target verifies a
+        tree of drafts in one pass (Model.can_branch), so a planned round's drafter may branch
+        where it is unsure and the costs say a sibling pays (see draft())."""
+        self.mode, self.gamma, self.costs, self.trees = mode, gamma, costs, trees
         self.adaptive = adaptive(mode, gamma)
         available = {Source.MODEL: drafters.model, Source.COPY: drafters.copy, Source.GRAMMAR: drafters.grammar}
         # the drafters this controller may plan for: only those the mode allows and that exist
@@ -266,14 +276,27 @@ class Controller:
             batch_rate(acceptance.sample(rng), gamma), source, gamma, key=key, expected_rate=expected, alpha=alpha
         )
 
-    def _free_plan(self, draft: Draft, key: AcceptanceKey, evidence: int, cut_short: bool) -> Plan:
-        """The plan for a free draft (a copy, forced text): as much of it as is worth verifying."""
+    def _free_plan(
+        self, draft: Draft, key: AcceptanceKey, evidence: int, cut_short: bool, alternatives: list[Alternative] = ()
+    ) -> Plan:
+        """The plan for a free draft (a copy, forced text): as much of it as is worth verifying;
+        with the alternatives (other places' text, where trees are verified), a tree where its
+        branches pay, planned at the tree's rate."""
         n = len(draft.tokens)
         if self.adaptive:
             plan = self._best(draft.source, key, [n] if self.gamma.fixed else self._gammas(n, cut_short), evidence)
         else:  # as told; of two copies (the context's, the prediction's), the one of higher α
             plan = Plan(self._acceptance(key).alpha, draft.source, n, key=key)
         plan.draft = Draft(draft.tokens[: plan.gamma], None, source=draft.source)
+        if alternatives and self.adaptive:
+            tree, gain = branched(plan.draft, alternatives, plan.alpha, self._branch_cost(plan))
+            if tree.parents is not None:  # E[n] grows by each node's chance, the pass by its tokens
+                costs, gamma, alpha = self.costs, plan.gamma, plan.alpha
+                seconds = costs.expected(plan.source, gamma, alpha) + costs.in_batch(len(tree.tokens) + 1)
+                seconds -= costs.in_batch(gamma + 1)
+                plan.rate = (expected_tokens(alpha, gamma) + gain + costs.tokens_beside) / seconds
+                plan.expected_rate = (expected_tokens(alpha, gamma) + gain) / seconds
+                plan.draft = tree
         return plan
 
     def plan(self, context: list[int], room: int, grammar: Constraint | None = None) -> Plan:
@@ -290,14 +313,17 @@ class Controller:
             candidates.append(Plan((1 + MIN_GAIN) * off_rate, Source.OFF, 0, expected_rate=1.0 / step))
         confident_copy = False
         if copy := self.drafters.get(Source.COPY):  # the context's and the prediction's, each on its own α
-            for lookup in copy.lookups(min(room, fixed or MAX_COPY_DRAFT)):
+            longest = min(room, fixed or MAX_COPY_DRAFT)
+            alternatives = copy.alternatives(longest) if self.trees and grammar is None else []
+            for lookup in copy.lookups(longest):
                 draft, evidence = lookup.draft, lookup.evidence
                 if grammar is not None:
                     draft.tokens = grammar.allowed_prefix(draft.tokens)
                 if draft.tokens and (self.mode is not DraftMode.HYBRID or evidence >= HYBRID_MIN_MATCH):
                     confident_copy = True
                     key = CopyKey.of(draft.source, evidence)
-                    candidates.append(self._free_plan(draft, key, evidence, len(draft.tokens) < MAX_COPY_DRAFT))
+                    cut_short = len(draft.tokens) < MAX_COPY_DRAFT
+                    candidates.append(self._free_plan(draft, key, evidence, cut_short, alternatives))
         forced_text, rng_state = None, None  # forced text is free to make: its α is learnt every round, drafted or not
         if grammar is not None and (forced := self.drafters.get(Source.GRAMMAR)):
             text = forced.draft(context, min(room, fixed or MAX_COPY_DRAFT), grammar=grammar)
@@ -319,6 +345,12 @@ class Controller:
             return NO_DRAFT
         return replace(max(candidates, key=lambda p: p.rate), forced=forced_text, rng_state=rng_state)
 
+    def _branch_cost(self, plan: Plan):
+        """What one more token in a pass of k costs, in the tokens `plan` would make in that time
+        (a tree's node is worth verifying where its chance of being taken beats it)."""
+        verify = self.costs.in_batch
+        return lambda k: plan.rate * (verify(k + 1) - verify(k))
+
     def draft(
         self,
         plan: Plan,
@@ -334,16 +366,21 @@ class Controller:
             return Draft([], None, source=Source.OFF)
         if plan.draft is not None:
             return plan.draft
-        stop_below = ()
+        drafter = self.drafters[plan.source]
+        stop_below, tree = (), {}
         if self.adaptive:
             # include draft token i+1 only while its expected yield, P(all accepted), beats
             # what its extra cost (one draft step + the verify batch growing) earns at this plan's rate
             step, verify = self.costs.draft_step(), self.costs.in_batch
             stop_below = [plan.rate * (step + verify(i + 2) - verify(i + 1)) for i in range(plan.gamma)]
-        drafter = self.drafters[plan.source]
+            if self.trees and grammar is None and getattr(drafter, "branches", False):
+                # the shape from the machine: a sibling is verified where its chance of being the
+                # target's token beats what one more token in the pass costs at this rate (where V
+                # is steep, a CPU's, that is a large part of a step: the chain stays a chain)
+                tree = {"branch_cost": self._branch_cost(plan)}
         if isinstance(drafter, ModelDrafter):  # its passes handed out
-            return (yield from drafter.draft_steps(context, plan.gamma, params, rng, stop_below, grammar=grammar))
-        return drafter.draft(context, plan.gamma, params, rng, stop_below, grammar=grammar)
+            return (yield from drafter.draft_steps(context, plan.gamma, params, rng, stop_below, grammar, **tree))
+        return drafter.draft(context, plan.gamma, params, rng, stop_below, grammar=grammar, **tree)
 
     def observe(
         self, plan: Plan, draft: Draft, n_accepted: int, timing: RoundTiming, context: list[int]
@@ -363,9 +400,9 @@ class Controller:
         for learnt in self.acceptance.values():
             learnt.decay()
         if draft.tokens and not source.free:  # free drafts learn from every token (below)
-            self.acceptance_of(plan.key).observe(n_accepted, len(draft.tokens))
+            self.acceptance_of(plan.key).observe(n_accepted, draft.depth)  # (a tree's: along its chain)
         if self.adaptive:  # (by the plan's source: the heads are priced in the draft model's place)
-            costs.observe(plan.source, len(draft.tokens), n_accepted, timing)
+            costs.observe(plan.source, len(draft.tokens), n_accepted, timing, draft.depth)
         for drafter in self.drafters.values():
             drafter.accept(context)
         if copy := self.drafters.get(Source.COPY):
@@ -383,4 +420,5 @@ class Controller:
             {str(key): round(a.alpha, 3) for key, a in self.acceptance.items()},
             self.predicted.speedup,
             costs.plain_step() if self.adaptive else 0.0,
+            tree=draft.parents is not None,
         )

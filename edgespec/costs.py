@@ -217,10 +217,11 @@ class RoundCosts:
         rounds have really been running against their plan."""
         return self.expected(Source.OFF, 0)
 
-    def of_round(self, source: Source, gamma: int, accepted: int) -> float:
-        """What a finished round should have cost by the curves, given what it kept."""
+    def of_round(self, source: Source, gamma: int, accepted: int, steps: int | None = None) -> float:
+        """What a finished round should have cost by the curves, given what it kept (steps: the
+        draft model's, default γ: see observe)."""
         step = self.draft_step() if source is Source.MODEL else 0.0
-        cost = gamma * step + self.in_batch(gamma + 1)
+        cost = (gamma if steps is None else steps) * step + self.in_batch(gamma + 1)
         if self._verify_rollback is not None and gamma:
             cost += self._verify_rollback.of_round(gamma, accepted, self._verify)
         if self._draft_rollback is not None and source is Source.MODEL and gamma:
@@ -242,17 +243,21 @@ class RoundCosts:
         return self._verify(largest) / largest * self._draft(1) / self._verify(1)
 
     # --- learning from real rounds --------------------------------------------------------
-    def observe(self, source: Source, drafted: int, accepted: int, timing: RoundTiming) -> None:
-        """A finished round: `drafted` tokens from `source`, `accepted` kept, took `timing`."""
+    def observe(
+        self, source: Source, drafted: int, accepted: int, timing: RoundTiming, steps: int | None = None
+    ) -> None:
+        """A finished round: `drafted` tokens from `source`, `accepted` kept, took `timing`; steps:
+        the draft model's (a tree's siblings come free with its chain's: its depth), default drafted."""
+        steps = drafted if steps is None else steps
         for live in self.live.values():
             live.decay()
-        planned = self.of_round(source, drafted, accepted)
+        planned = self.of_round(source, drafted, accepted, steps)
         for kind in (source, ALL):
             self.live.setdefault(kind, LiveCost()).observe(timing.total, planned)
         if not timing.beside:  # a pass alone times V(k) itself
             self._verify.observe(drafted + 1 + timing.rereads, timing.verify)
-        if source is Source.MODEL and drafted and self._draft is not None:
-            self._draft.observe(1, timing.draft / drafted)
+        if source is Source.MODEL and steps and self._draft is not None:
+            self._draft.observe(1, timing.draft / steps)
 
     def look_stale(self) -> bool:
         """Whether this request's rounds ran far faster than the curves say (STALE_RATIO)."""

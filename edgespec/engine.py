@@ -321,7 +321,8 @@ class Engine:
         planned = adaptive(request.draft_mode, request.gamma)  # else nothing is planned: no costs needed
         costs = self.costs.of_request(self.target, self.drafter) if planned else None
         drafters = Drafters(copy, self.drafter, self.forced)
-        return Controller(request.draft_mode, request.gamma, costs, drafters)
+        trees = request.trees and self.target.can_branch
+        return Controller(request.draft_mode, request.gamma, costs, drafters, trees=trees)
 
     def events(self, run: Run) -> Iterator[Event]:
         """The events of a started Run (what stream() gives): a caller that must know the

@@ -50,6 +50,7 @@ SNAPSHOT_MEMORY_SHARE = 0.05  # llama.cpp's recurrent snapshots take at most thi
 PARTIAL_ONLY = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # a state's recurrent part alone
 SNAPSHOT_PROBE = (1, 2, 3, 4)  # tokens of the snapshot probe (any ids: it compares logits, not text)
 HIDDEN_MEMORY = 64 << 20  # bytes of hidden states a sequence keeps for MTP layers that have not read them
+TREE_BRANCHES = 16  # a draft tree's branches a one-sequence attention context verifies in one pass, at most
 
 # llama.cpp logs model loading to stderr; keep the terminal for the answer.
 if not os.environ.get("EDGESPEC_VERBOSE"):
@@ -124,6 +125,15 @@ class SequenceState:
     hidden: HiddenStates | None = None  # where the model exports them (Model.export_hidden), those not yet taken
 
 
+@dataclass(frozen=True)
+class TreePass:
+    """A tree pass not yet settled (Model.keep): its nodes from position `at` on."""
+
+    at: int
+    first: list[int]  # the branch of first children, which the current sequence holds
+    spares: list[int]  # the other branches' sequence ids
+
+
 @dataclass
 class HiddenStates:
     """The hidden states of consecutive positions from `at` on (a row each), as the target's last
@@ -183,6 +193,10 @@ class Pass:
     error: Exception | None = None  # ContextFull, or a failed decode (EdgespecError)
     seconds: float = 0.0  # the decode it was part of
     beside: tuple[tuple[int, int], ...] = ()  # (seq, tokens) of the passes decoded with it
+    # a tree of drafts after the tokens the cache lacks (Model.can_branch): the last len(parents)
+    # tokens are its nodes, parents[i] node i's parent (-1: the token before the nodes); rows
+    # then come for that token and every node; Model.keep() settles which branch stays
+    parents: list[int] | None = None
 
     def result(self) -> np.ndarray:
         """The logits, or the error raised."""
@@ -391,6 +405,9 @@ class Model(Tokenizer):
         sizes = self._state_sizes(n_batch) if self.recurrent else None
         if n_ctx is None:
             n_ctx = self.default_context(kv_memory_share, sizes.per_token if sizes else self.kv_bytes_per_token)
+        # a tree's branches are sequences of one unified cache, sharing the cells of what they share
+        self.branches = TREE_BRANCHES if n_seq == 1 and not self.recurrent else 0
+        self._tree: TreePass | None = None
         self.n_snapshots = 0
         if sizes is not None and snapshots > 0:
             fit = int(SNAPSHOT_MEMORY_SHARE * physical_memory()) // max(sizes.recurrent * n_seq, 1)
@@ -461,11 +478,17 @@ class Model(Tokenizer):
             return Rollback.TRUNCATE
         return Rollback.SNAPSHOTS if self.n_snapshots else Rollback.CHECKPOINTS
 
+    @property
+    def can_branch(self) -> bool:
+        """Whether a pass may carry a tree of drafts (Pass.parents): a one-sequence attention
+        context whose hidden states are not exported (MTP heads read a chain's)."""
+        return self.branches > 0 and not self.hidden_width
+
     def _make_context(self, n_ctx: int, n_batch: int, flash_attn: bool, *, n_snapshots: int | None = None) -> None:
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = n_ctx * self.n_seq  # llama.cpp gives each sequence an equal share
         ctx_params.n_batch = ctx_params.n_ubatch = n_batch
-        ctx_params.n_seq_max = self.n_seq
+        ctx_params.n_seq_max = self.n_seq + getattr(self, "branches", 0)  # (not yet set: _state_sizes)
         ctx_params.kv_unified = self.n_seq == 1  # else each sequence its own cells (see __init__)
         ctx_params.n_rs_seq = self.n_snapshots if n_snapshots is None else n_snapshots
         ctx_params.swa_full = True  # a sliding window's cache keeps every token, so a cut back stays exact
@@ -486,7 +509,7 @@ class Model(Tokenizer):
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self._ctx)  # a sequence's (llama.cpp rounds it up to 256)
         self.n_batch = llama_cpp.llama_n_batch(self._ctx)  # llama.cpp caps it at n_ctx
         self.flash_attn = flash_attn
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1 + getattr(self, "branches", 0))
         self._sequences = [SequenceState() for _ in range(self.n_seq)]
         self._now = self._sequences[self.seq]
 
@@ -589,8 +612,7 @@ class Model(Tokenizer):
         if n >= len(self.tokens):
             return len(self.tokens)
         if not self.recurrent:
-            if not llama_cpp.llama_memory_seq_rm(self._memory, self.seq, n, -1):
-                raise EdgespecError(f"llama.cpp refused to cut the cache of {self.path.name}; report this as a bug")
+            self._check(llama_cpp.llama_memory_seq_rm(self._memory, self.seq, n, -1))
             self._drop_from(n)
             return n
         # a snapshot: only of the last pass (llama.cpp's other slots are stale), once per decode
@@ -723,6 +745,91 @@ class Model(Tokenizer):
             return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
 
+    def _eval_tree(self, tokens: list[int], parents: list[int]) -> np.ndarray:
+        """A pass over the cache's missing tokens and a tree of drafts after them (see Pass.parents),
+        in one llama_decode: each branch (root to leaf) is a sequence, a token shared by several
+        branches is one cell with all their ids, so every node attends to its own ancestors alone.
+        Returns the rows of the last token before the nodes and of every node, in node order.
+        The current sequence holds the branch of first children until keep() settles the pass."""
+        n_nodes = len(parents)
+        if any(not -1 <= parent < node for node, parent in enumerate(parents)):
+            raise ValueError(f"a tree's parents must come before their children, got {parents}")
+        if len(tokens) <= n_nodes:
+            raise ValueError("a tree pass needs the token its root follows")
+        head = tokens[: len(tokens) - n_nodes - 1]  # what comes before that token: a pass of its own
+        if head:
+            self.eval(head)
+        root, nodes = tokens[len(tokens) - n_nodes - 1], tokens[len(tokens) - n_nodes :]
+        children: list[list[int]] = [[] for _ in range(n_nodes + 1)]  # [parent + 1]
+        for node, parent in enumerate(parents):
+            children[parent + 1].append(node)
+        leaves = [node for node in range(n_nodes) if not children[node + 1]]
+        if len(leaves) > 1 + self.branches or 1 + n_nodes > self.n_batch:
+            raise ValueError(f"a tree of {len(leaves)} branches and {n_nodes} nodes does not fit this context")
+        if len(self.tokens) + 1 + n_nodes > self.n_ctx:
+            raise ContextFull(self.n_ctx)
+        first: list[int] = []  # the branch of first children: the current sequence holds it
+        while children[(first[-1] if first else -1) + 1]:
+            first.append(children[(first[-1] if first else -1) + 1][0])
+        spares = list(range(self.n_seq, self.n_seq + len(leaves) - 1))
+        holders: list[list[int]] = [[] for _ in range(n_nodes)]
+        for leaf, seq in zip(
+            [first[-1]] + [leaf for leaf in leaves if leaf != first[-1]], [self.seq, *spares], strict=True
+        ):
+            node = leaf
+            while node >= 0:
+                holders[node].append(seq)
+                node = parents[node]
+        for spare in spares:  # each branch starts as the sequence's copy (cells shared, not copied)
+            self._check(llama_cpp.llama_memory_seq_rm(self._memory, spare, -1, -1))
+            llama_cpp.llama_memory_seq_cp(self._memory, self.seq, spare, -1, -1)
+        depth: list[int] = []  # a node's, below the root's children
+        for parent in parents:
+            depth.append(depth[parent] + 1 if parent >= 0 else 0)
+        # the first branch's cells first: kept (see keep()), they follow the cache's with no gap
+        # between, as a chain's would (cells out of order change the logits by up to 0.5 here)
+        order = first + [node for node in range(n_nodes) if node not in set(first)]
+        at = len(self.tokens) + 1  # the first node's position
+        batch = self._batch
+        rows = [(root, at - 1, [self.seq, *spares])] + [(nodes[n], at + depth[n], holders[n]) for n in order]
+        for i, (token, pos, seqs) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, len(seqs), True
+            for j, seq in enumerate(seqs):
+                batch.seq_id[i][j] = seq
+        batch.n_tokens = 1 + n_nodes
+        status = llama_cpp.llama_decode(self._ctx, batch)
+        self._now.snapshot_pending = False
+        if status != 0:
+            for spare in spares:
+                llama_cpp.llama_memory_seq_rm(self._memory, spare, -1, -1)
+            self._clear()
+            raise self._failure(status, 1 + n_nodes)
+        self._decodes += 1
+        self._now.last_pass, self._now.last_decode = 1 + n_nodes, self._decodes
+        self.tokens.append(root)
+        self.tokens.extend(nodes[node] for node in first)
+        self._tree = TreePass(at, first, spares)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(1 + n_nodes, self.n_vocab))
+        return logits[np.argsort([-1, *order]) if n_nodes else [0]]
+
+    def keep(self, path: list[int]) -> None:
+        """Settle the last tree pass, whose nodes `path` (root first) the target took: the other
+        branches are removed, and the sequence keeps as much of the path as its first-children
+        branch shares (the rest, on another branch, is read again by the next pass: kept where it
+        was written, its cells would lie out of order)."""
+        tree, self._tree = self._tree, None
+        if tree is None:
+            raise ValueError("keep() follows a tree pass")
+        kept = common_prefix(tree.first, path, len(path))
+        self._check(llama_cpp.llama_memory_seq_rm(self._memory, self.seq, tree.at + kept, -1))
+        for spare in tree.spares:
+            self._check(llama_cpp.llama_memory_seq_rm(self._memory, spare, -1, -1))
+        del self.tokens[tree.at + kept :]
+
+    def _check(self, done: bool) -> None:
+        if not done:
+            raise EdgespecError(f"llama.cpp refused to cut the cache of {self.path.name}; report this as a bug")
+
     def _put(self, at: int, seq: int, pos0: int, tokens: list[int], first_row: int) -> int:
         """Sequence `seq`'s tokens (from position pos0) into the batch from index `at`, logits made
         for those from first_row on; returns the next index."""
@@ -753,7 +860,7 @@ class Model(Tokenizer):
         # llama.cpp batches consecutive sequences together
         for one in sorted((p for p in passes if p.tokens), key=lambda p: p.seq):
             fits = groups and sum(len(p.tokens) for p in groups[-1]) + len(one.tokens) <= self.n_batch
-            if fits and not self.recurrent:
+            if fits and not self.recurrent and one.parents is None and groups[-1][0].parents is None:
                 groups[-1].append(one)
             else:
                 groups.append([one])
@@ -769,7 +876,10 @@ class Model(Tokenizer):
         self.use(one.seq)
         start = perf_counter()
         try:
-            one.logits = self.eval(one.tokens, rows=one.rows)
+            if one.parents is None:
+                one.logits = self.eval(one.tokens, rows=one.rows)
+            else:
+                one.logits = self._eval_tree(one.tokens, one.parents)
         except (ContextFull, EdgespecError) as e:
             one.error = e
         one.seconds, one.beside = perf_counter() - start, ()

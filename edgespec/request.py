@@ -74,7 +74,9 @@ class Request:
     log-softmax, before temperature and filters, whatever drafted the token or constrained
     the answer. prompt_logprobs: the same for the prompt's tokens after the first
     (Run.prompt_logprobs, Generation.prompt_logprobs; what OpenAI's `echo` scores); the
-    prompt is then read whole, none of it from the cache."""
+    prompt is then read whole, none of it from the cache.
+    trees: whether a round may verify a tree of drafts (Controller) where the machine's costs
+    say one pays; False: chains only (to compare them)."""
 
     prompt: Prompt
     sampling: SamplingParams = DEFAULT_SAMPLING
@@ -94,6 +96,7 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: bool = False
     heal: bool | None = None
+    trees: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: the checked values are set once, here
@@ -162,6 +165,7 @@ class Request:
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
         heal: bool | None = None,
+        trees: bool = True,
     ) -> Request:
         """A request from keywords (what Engine.stream and generate take besides a Request):
         the sampling settings one by one, and speculative=False for draft_mode "off"."""
@@ -182,6 +186,7 @@ class Request:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             heal=heal,
+            trees=trees,
         )
 
     @property

@@ -21,7 +21,7 @@ from .logprobs import TokenLogprob, token_logprobs
 from .model import ContextFull, Model, Pass
 from .modes import DraftMode
 from .request import Request
-from .sampling import Constraint, Law, SamplingParams, law, position_uniforms, verify, verify_greedy
+from .sampling import Constraint, Law, SamplingParams, law, position_uniforms, verify_tree, verify_tree_greedy
 from .sequences import Sequences
 from .stats import RoundTiming, Stats, trailing_repeat
 from .text import TextStream
@@ -174,11 +174,12 @@ class Run:
                 break
         return seen is not None
 
-    def _pass(self, tokens: list[int], rows: int | None) -> Iterator[Pass]:
-        """A pass of the target over `tokens` in this run's sequence, handed out to be decoded;
+    def _pass(self, tokens: list[int], rows: int | None, parents: list[int] | None = None) -> Iterator[Pass]:
+        """A pass of the target over `tokens` (the last of them a tree's nodes, where `parents`
+        says: see Pass) in this run's sequence, handed out to be decoded;
         returns it decoded (its logits: see Model.eval), the models back on this run's sequence.
         Raises what stopped it (ContextFull, EdgespecError)."""
-        decoded = Pass(self.sequence, tokens, rows, model=self.target)
+        decoded = Pass(self.sequence, tokens, rows, model=self.target, parents=parents)
         yield decoded
         self.enter()
         decoded.result()
@@ -263,24 +264,30 @@ class Run:
             t_pass = perf_counter()
 
             # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i); after a recurrent
-            # target's rollback its kept tokens come first (the cache holds seq[:-1], or less: see below)
-            target_pass = yield from self._pass(seq[len(target.tokens) :] + draft.tokens, len(draft.tokens) + 1)
+            # target's rollback its kept tokens come first (the cache holds seq[:-1], or less: see below). A tree
+            # of drafts: row i + 1 is p(. | seq, node i's branch down to it), every branch in the same pass
+            tokens = seq[len(target.tokens) :] + draft.tokens
+            target_pass = yield from self._pass(tokens, len(draft.tokens) + 1, draft.parents)
             logits = target_pass.logits
             t_decoded = perf_counter()
             rows = TargetRows(logits, params, target, constraint, draft.tokens)
             if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
-                n, next_token = verify_greedy(draft.tokens, rows.argmax)
+                kept, next_token = verify_tree_greedy(draft.tokens, draft.parents, rows.argmax)
             else:  # accept x_i w.p. min(1, p_i(x)/q_i(x)); else resample norm(max(p_i - q_i, 0)); bonus from p_γ
-                uniforms = position_uniforms(self.seed, len(seq), len(draft.tokens) + 1)
-                n, next_token = verify(draft.tokens, draft.q, rows.p, uniforms)
+                uniforms = position_uniforms(self.seed, len(seq), draft.depth + 1, 1 + draft.width)
+                kept, next_token = verify_tree(draft.tokens, draft.parents, draft.q, rows.p, uniforms)
+            n = len(kept)
             rows.advance(n, next_token)
             t2 = perf_counter()
-            new = draft.tokens[:n] + [next_token]
-            logprobs = self._logprobs(logits, new)  # read before the cut; not the round's time
+            new = [draft.tokens[i] for i in kept] + [next_token]
+            # (read before the cut; not the round's time)
+            logprobs = self._logprobs(logits if draft.parents is None else logits[[0, *(i + 1 for i in kept)]], new)
             t3 = perf_counter()
 
             # drop the rejected drafts from the target's cache (the drafter trims its own); a recurrent state may
             # go back further, to its checkpoint: the kept tokens after it open the next pass, not one of their own
+            if draft.parents is not None:
+                target.keep(kept)
             target.cut(len(seq) + n)
             seq += new
             rollback = (t_pass - t1) + (perf_counter() - t3)
@@ -307,7 +314,7 @@ class TargetRows:
     """The target's law at each row of a verify pass, made only when verification gets
     there. Under a constraint, row i is the constrained law in the constraint's state after
     draft[:i]: the constraint walks along the draft as far as it is accepted, never past a
-    rejection, so it has nothing to roll back."""
+    rejection, so it has nothing to roll back (a chain's: trees are drafted without one)."""
 
     def __init__(
         self,

@@ -337,16 +337,17 @@ class GrammarDeadEnd(EdgespecError):
         super().__init__("the grammar allows no token after the answer so far: it cannot be completed; fix it")
 
 
-def position_uniforms(seed: int, start: int, count: int) -> np.ndarray:
-    """(count, 2) uniform draws for the sequence positions start, start+1, ...: column 0
-    decides a draft token's acceptance, column 1 draws a token. They depend only on the
-    seed and the position, so a seeded answer is the same however it was drafted: a
-    counter-based generator, SplitMix64's finaliser of (seed, position, column), 53 bits
-    each (a numpy Generator per position cost 10 µs, a tenth of a GPU round's budget)."""
+def position_uniforms(seed: int, start: int, count: int, columns: int = 2) -> np.ndarray:
+    """(count, columns) uniform draws for the sequence positions start, start+1, ...: column 0
+    decides a draft token's acceptance, column 1 draws a token, columns 2.. decide a tree's
+    later siblings (see verify_tree). They depend only on the seed and the position, so a
+    seeded answer is the same however it was drafted: a counter-based generator, SplitMix64's
+    finaliser of (seed, position, column), 53 bits each (a numpy Generator per position cost
+    10 µs, a tenth of a GPU round's budget)."""
     key = _splitmix(seed & MASK64)
     return np.array(
         [
-            [(_splitmix(_splitmix(key ^ position) ^ column) >> 11) * 2.0**-53 for column in (0, 1)]
+            [(_splitmix(_splitmix(key ^ position) ^ column) >> 11) * 2.0**-53 for column in range(columns)]
             for position in range(start, start + count)
         ]
     )
@@ -389,7 +390,7 @@ def verify(
     p_row: Callable[[int], Law],
     uniforms: np.ndarray,
 ) -> tuple[int, int]:
-    """Accept a draft left to right; return (number accepted, next token).
+    """Accept a chain of drafts left to right; return (number accepted, next token).
 
     draft: γ proposed token ids. q_rows: the γ draft laws they were drawn from, or
     None for a deterministic draft (point masses). p_row(i): the target's law at row
@@ -403,17 +404,66 @@ def verify(
     result is distributed exactly as the target alone (Leviathan et al., Thm 1).
     A point mass x is accepted exactly when the position's own draw from p_i is x
     (probability p_i(x), as the rule above, and otherwise that draw is the next
-    token, from p_i without x): so copies never change a seeded answer.
+    token, from p_i without x): so copies never change a seeded answer. A chain is
+    the tree whose every node has one child (verify_tree).
     """
-    for i, x in enumerate(draft):
-        u_accept, u_draw = uniforms[i]
-        p = p_row(i)
-        if q_rows is None:
-            if (token := p.sample(u_draw)) != x:
-                return i, token
-        elif u_accept >= acceptance_probability(p, q_rows[i], x):
-            return i, residual(p, q_rows[i], x).sample(u_draw)
-    return len(draft), p_row(len(draft)).sample(uniforms[len(draft)][1])
+    path, token = verify_tree(draft, None, q_rows, p_row, uniforms)
+    return len(path), token
+
+
+def verify_tree(
+    tokens: Sequence[int],
+    parents: Sequence[int] | None,
+    q_rows: Sequence[Law | None] | None,
+    p_row: Callable[[int], Law],
+    uniforms: np.ndarray,
+) -> tuple[list[int], int]:
+    """Accept a tree of drafts from its root down; return (the accepted nodes, root first; next token).
+
+    tokens[i]: node i's token; parents[i]: its parent node (-1: the context's last token;
+    None: a chain, parents[i] = i - 1), parents before children. q_rows[i]: the law node i
+    was drawn from, given its earlier siblings (None, or q_rows None: a point mass).
+    p_row(r): the target's law at row r: row 0 follows the context, row i + 1 follows node
+    i. uniforms: a row per depth, 1 + (most children of a node) columns.
+
+    Recursive rejection sampling (SpecInfer's multi-step speculative sampling; Jeon et al.
+    2024, arXiv 2402.14160; Sequoia's accept step), at each node reached, over its children
+    in the order drafted: sibling x_j, drawn from q_j, is accepted with probability
+    min(1, p_j(x_j)/q_j(x_j)); on rejection p_{j+1} = norm(max(p_j - q_j, 0)). Why exact:
+    one step of the chain's rule gives a token distributed as p_j whether x_j is accepted
+    (density min(p_j, q_j)) or the residual drawn (density max(p_j - q_j, 0)); so a
+    rejection leaves the token still to come distributed as p_{j+1}, and the next sibling
+    (drawn from q_{j+1}, however it depends on the earlier siblings: without replacement,
+    q_{j+1} = q_j without x_j, renormalised) faces the same problem one step down. A
+    rejected x_j has p_j(x_j) <= q_j(x_j), so p_{j+1}(x_j) = 0: no sibling comes twice.
+    Deterministic children (point masses: a copy's alternatives) come last, all at once:
+    the draw from the last residual is the next token, and the round descends to the
+    child that equals it (so copies never change a seeded answer). Every node's token is
+    thus drawn from the target's law at its row, as the target alone would.
+    """
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(range(-1, len(tokens) - 1) if parents is None else parents):
+        children.setdefault(parent, []).append(node)
+    path: list[int] = []
+    node = -1
+    while True:
+        u, p = uniforms[len(path)], p_row(node + 1)
+        chosen = None
+        for j, child in enumerate(children.get(node, ())):
+            q = q_rows[child] if q_rows is not None else None
+            if q is None:
+                continue  # a point mass: by the draw below
+            if u[0 if j == 0 else j + 1] < acceptance_probability(p, q, tokens[child]):
+                chosen = child
+                break
+            p = residual(p, q, tokens[child])
+        if chosen is None:
+            token = p.sample(u[1])
+            points = (c for c in children.get(node, ()) if q_rows is None or q_rows[c] is None)
+            if (chosen := next((c for c in points if tokens[c] == token), None)) is None:
+                return path, token
+        path.append(chosen)
+        node = chosen
 
 
 def verify_greedy(draft: Sequence[int], target_argmax: Callable[[int], int]) -> tuple[int, int]:
@@ -421,7 +471,22 @@ def verify_greedy(draft: Sequence[int], target_argmax: Callable[[int], int]) -> 
     target_argmax(i) is the target's choice at row i (asked in order, as far as
     verification goes); the token after the accepted prefix is the target's own
     choice there (the correction, or the bonus token)."""
-    for n, x in enumerate(draft):
-        if (choice := target_argmax(n)) != x:
-            return n, choice
-    return len(draft), target_argmax(len(draft))
+    path, token = verify_tree_greedy(draft, None, target_argmax)
+    return len(path), token
+
+
+def verify_tree_greedy(
+    tokens: Sequence[int], parents: Sequence[int] | None, target_argmax: Callable[[int], int]
+) -> tuple[list[int], int]:
+    """Greedy verification of a tree (as verify_tree's arguments): from the root, descend to the
+    child equal to the target's argmax at the node's row, while there is one; the next token
+    is the target's argmax at the last node reached."""
+    children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for node, parent in enumerate(range(-1, len(tokens) - 1) if parents is None else parents):
+        children.setdefault((parent, tokens[node]), node)
+    path: list[int] = []
+    node = -1
+    while (child := children.get((node, choice := target_argmax(node + 1)))) is not None:
+        path.append(child)
+        node = child
+    return path, choice

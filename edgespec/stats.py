@@ -24,6 +24,7 @@ DERIVED = (
     "accepted_prediction_tokens",
     "rejected_prediction_tokens",
     "tokens_by_source",
+    "mean_tree_size",
 )
 SUMMED = (
     "n_prompt",
@@ -31,6 +32,8 @@ SUMMED = (
     "rounds",
     "drafted",
     "accepted",
+    "tree_rounds",
+    "tree_drafted",
     "n_tokens",
     "prefill_s",
     "decode_s",
@@ -87,6 +90,7 @@ class RoundReport:
     alpha_by_source: dict[str, float]  # the acceptance rate learnt per drafter (and copy evidence level)
     predicted_speedup: float  # over the target alone, by the plans so far
     plain_step_s: float  # what a round without a draft takes now (0: rounds not planned by cost)
+    tree: bool = False  # its drafts were a tree (several candidates somewhere), verified in one pass
 
 
 @dataclass
@@ -101,6 +105,8 @@ class Stats:
     rounds: int = 0  # target forward passes after prefill
     drafted: int = 0
     accepted: int = 0
+    tree_rounds: int = 0  # rounds whose drafts were a tree (their drafted tokens count every node)
+    tree_drafted: int = 0  # the nodes of those trees
     n_tokens: int = 0  # tokens generated (prompt excluded)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # end of prefill -> last token
@@ -160,6 +166,11 @@ class Stats:
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
     @property
+    def mean_tree_size(self) -> float:
+        """Nodes per tree, over the rounds that verified one (0: none)."""
+        return self.tree_drafted / self.tree_rounds if self.tree_rounds else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.n_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
@@ -208,6 +219,9 @@ class Stats:
         self.baseline_tokens_per_s = 1.0 / report.plain_step_s if report.plain_step_s > 0 else 0.0
         self.drafted += report.drafted
         self.accepted += report.accepted
+        if report.tree:
+            self.tree_rounds += 1
+            self.tree_drafted += report.drafted
         self.draft_s += report.timing.draft
         self.verify_s += report.timing.verify
         self.rollback_s += report.timing.rollback

@@ -9,21 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from replay import RECORDING, load, replay
+from replay import CURVES, DRAFT_STEPS, RECORDING, load, replay, tree_gains
 
 from edgespec import Model
 from edgespec.resolve import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# V(k) in target steps, as calibrated: a slow 2-core AMD EPYC (Qwen2.5-Coder-1.5B at 12 tok/s:
-# a pass of 8 costs almost what one of 16 does), an Intel Xeon with AMX, and a GPU (about flat)
-CURVES = {
-    "slow-epyc": {1: 1.0, 2: 1.75, 3: 2.17, 4: 3.04, 8: 7.4, 16: 8.0, 32: 22.2, 64: 36.9},
-    "intel-amx": {1: 1.0, 4: 2.07, 16: 4.43, 64: 9.76},
-    "gpu": {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.3, 32: 1.8, 64: 2.8},
-}
-DRAFT_STEPS = (0.2, 0.46, 0.7)  # the draft model's step in target steps (0.46: the Qwen pair on a 2-core EPYC)
 FIXED = (("off", None), ("model", 3), ("copy", None), ("hybrid", None))  # as bench runs them
 SEEDS = 8  # the controller's Thompson draws: a mode's expected rate is over these
 GOAL = 0.97
@@ -85,3 +77,29 @@ def test_the_recording_is_what_the_qwen_pair_writes(tmp_path):
         then = stored[now.name]
         assert now.prompt == then.prompt and now.answer == then.answer[:24], (now.name, RECORDING)
         assert now.draft_agrees[:23] == then.draft_agrees[:23]
+
+
+def test_trees_pay_where_the_curve_is_flat_and_never_cost(vocab):
+    """Auto with draft trees against auto with chains alone on the recorded answers (draft step
+    0.2): on the slow EPYC's steep curve no branch pays and no tree is drafted; on the AMX Xeon's
+    a few are, which cost nothing over the classes (a round of a tree here or there moves the
+    controller's later draws, so single classes move by a percent either way); on the GPU's
+    flat curve the draft model's siblings and the copies' other branches make more tokens per
+    target step."""
+    gains = tree_gains(vocab, 0.2, seeds=2)
+    by_curve = {curve: [g for g in gains if g.curve == curve] for curve in CURVES}
+    assert all(g.tree_rounds == 0 for g in by_curve["slow-epyc"])
+    for curve, rows in by_curve.items():
+        assert np.mean([g.gain for g in rows]) >= 0.99, (curve, [(g.name, round(g.gain, 3)) for g in rows])
+    assert sum(g.tree_rounds for g in by_curve["gpu"]) > 0
+    assert np.mean([g.gain for g in by_curve["gpu"]]) > 1.0
+
+
+def test_the_tree_replay_command_prints_its_table():
+    """`python tests/replay.py --trees 0.2 CLASS` (the README's): a row per curve for the class."""
+    command = [sys.executable, "tests/replay.py", "--trees", "0.2", "code-write"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    assert [row[:2] for row in rows] == [["code-write", curve] for curve in ("slow-epyc", "intel-amx", "gpu")]
+    assert all(float(row[4]) > 0 for row in rows)

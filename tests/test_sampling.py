@@ -8,6 +8,7 @@ from reference import chain_law
 from scipy import stats as scipy_stats
 
 from edgespec import EdgespecError, SamplingParams
+from edgespec.drafters.base import without
 from edgespec.sampling import (
     Law,
     acceptance_probability,
@@ -16,6 +17,8 @@ from edgespec.sampling import (
     residual,
     verify,
     verify_greedy,
+    verify_tree,
+    verify_tree_greedy,
 )
 
 RNG = np.random.default_rng(0)
@@ -182,3 +185,93 @@ def test_law_on_candidates_is_the_whole_vocabularys(top_k, top_p, min_p):
         logits = logits.astype(np.float32)
         expected = chain_law(logits, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
         np.testing.assert_allclose(distribution(logits, params), expected, atol=1e-9, err_msg=name)
+
+
+def tree_round(p_table, q_table, v, rng, *, copy: bool):
+    """One round of a tree over a toy context-dependent model: two siblings drawn from q without
+    replacement after the context, the first with a child drawn from q after it; with `copy`, a
+    deterministic sibling (a copy's alternative: token 0) and a point mass after it too. Returns
+    the tokens it gives."""
+    tokens, parents, q_rows = [], [], []
+    q = law_of(q_table[()])
+    for _ in range(2):  # siblings without replacement: each with the law it was drawn from
+        tokens.append(q.sample(rng.random()))
+        parents.append(-1)
+        q_rows.append(q)
+        q = without(q, tokens[-1])
+    child_q = law_of(q_table[(tokens[0],)])
+    tokens.append(child_q.sample(rng.random()))
+    parents.append(0)
+    q_rows.append(child_q)
+    if copy and 0 not in tokens[:2]:
+        tokens += [0, 1]
+        parents += [-1, len(tokens) - 2]
+        q_rows += [None, None]
+    branch = {-1: ()}  # node -> its tokens from the context
+    for node, parent in enumerate(parents):
+        branch[node] = branch[parent] + (tokens[node],)
+    uniform_law = np.full(v, 1 / v)
+    p_rows = [law_of(p_table.get(branch[node], uniform_law)) for node in range(-1, len(tokens))]
+    path, nxt = verify_tree(tokens, parents, q_rows, p_rows.__getitem__, rng.random((3, 4)))
+    return [tokens[i] for i in path] + [nxt]
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_verify_tree_monte_carlo_two_tokens(copy):
+    """Recursive rejection sampling among siblings (sampled ones from q without replacement, and
+    a copy's point masses): the first two tokens of a tree round follow the target's joint law."""
+    v, rng = 4, np.random.default_rng(5)
+    p_table = {c: random_dist(v, rng=rng) for c in [(), *[(a,) for a in range(v)]]}
+    q_table = {c: random_dist(v, rng=rng) for c in p_table}
+    counts = np.zeros((v, v))
+    n = 20000
+    for _ in range(n):
+        out = tree_round(p_table, q_table, v, rng, copy=copy)
+        if len(out) < 2:  # nothing accepted: the second token from the target's own law after the first
+            out.append(law_of(p_table[(out[0],)]).sample(rng.random()))
+        counts[out[0], out[1]] += 1
+    expected = np.array([[p_table[()][a] * p_table[(a,)][b] for b in range(v)] for a in range(v)]) * n
+    assert scipy_stats.chisquare(counts.ravel(), expected.ravel()).pvalue > 0.01
+
+
+def test_verify_tree_without_the_residual_leaves_the_law():
+    """The test above can fail: siblings each accepted by min(1, p/q) against the target's own
+    law (no residual between them) give another law, which the same check rejects."""
+    v, rng = 4, np.random.default_rng(5)
+    p_table = {c: random_dist(v, rng=rng) for c in [(), *[(a,) for a in range(v)]]}
+    q_table = {c: random_dist(v, rng=rng) for c in p_table}
+    counts = np.zeros(v)
+    p, n = law_of(p_table[()]), 20000
+    for _ in range(n):
+        q = law_of(q_table[()])
+        first, u = q.sample(rng.random()), rng.random(3)
+        second = without(q, first).sample(rng.random())
+        if u[0] < acceptance_probability(p, q, first):
+            counts[first] += 1
+        elif u[1] < acceptance_probability(p, without(q, first), second):  # broken: p where the residual goes
+            counts[second] += 1
+        else:
+            counts[residual(residual(p, q, first), without(q, first), second).sample(u[2])] += 1
+    assert scipy_stats.chisquare(counts, p_table[()] * n).pvalue < 0.01
+
+
+def test_verify_tree_greedy_descends_to_the_targets_choice():
+    # the context -> 5 (two siblings: 5 and 7), 5 -> 6, 7 -> 8
+    tokens, parents = [5, 7, 6, 8], [-1, -1, 0, 1]
+    choices = {0: 7, 1: 6, 2: 8, 3: 1, 4: 4}  # row -> the target's argmax (row i + 1: after node i)
+    assert verify_tree_greedy(tokens, parents, choices.__getitem__) == ([1, 3], 4)
+    assert verify_tree_greedy(tokens, parents, {0: 3}.__getitem__) == ([], 3)
+    assert verify_tree_greedy([5, 6], None, {0: 5, 1: 6, 2: 1}.__getitem__) == ([0, 1], 1)
+
+
+def test_a_tree_of_point_masses_keeps_a_seeded_answer():
+    """Copies' alternatives are point masses: the round descends only where the position's own
+    draw is one of them, so the tokens out are those sampling without a draft would give."""
+    rng = np.random.default_rng(6)
+    for _ in range(200):
+        p_rows = [law_of(random_dist(4, rng=rng)) for _ in range(6)]
+        uniforms = rng.random((3, 3))
+        tokens, parents = [0, 1, 2, 3, 0], [-1, -1, -1, 0, 1]
+        path, nxt = verify_tree(tokens, parents, None, p_rows.__getitem__, uniforms)
+        plain = p_rows[0].sample(uniforms[0, 1])
+        assert ([tokens[i] for i in path] + [nxt])[0] == plain

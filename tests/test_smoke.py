@@ -101,16 +101,18 @@ def test_bench_small(capsys, sources, source):
     assert code == 0, err
     report = json.loads(out)
     modes = set(report["prompts"][0]["modes"])
-    assert modes == ({"off", "copy", "auto"} | ({"model", "hybrid"} if source == "pair" else set()))
+    # chains: auto with chains of drafts only, against which auto's trees are priced
+    assert modes == ({"off", "copy", "auto", "chains"} | ({"model", "hybrid"} if source == "pair" else set()))
     first = report["prompts"][0]
-    assert first["best_fixed"] in modes and first["auto_vs_best_fixed"] > 0
+    assert first["best_fixed"] in modes - {"chains"} and first["auto_vs_best_fixed"] > 0
+    assert first["auto_vs_chains"] > 0 and first["modes"]["auto"]["tree_rounds"] >= 0
     assert all(m["prefill_tokens_per_s"] > 0 for m in first["modes"].values())
     code, out, err = run(capsys, "bench", *sources[source], "--max-tokens", "3", "--repeats", "2", "--llama-baseline")
     assert code == 0, err
     rows = [line.split()[:2] for line in out.splitlines()]
     assert ["code-edit-pred", "llama"] in rows and ["code-edit-pred", "ceiling"] in rows
     assert ["json", "no-grammar"] in rows and "tokens/answer:" in out  # the schema class, and its price
-    assert "V(k) in target steps" in out and "the best fixed mode" in out
+    assert "V(k) in target steps" in out and "the best fixed mode" in out and "auto with chains only" in out
 
 
 def test_bench_bad_repeats(capsys):

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..model import Model, Pass
+from ..model import TREE_BRANCHES, Model, Pass
 from ..modes import Source
 from ..sampling import Constraint, Law, SamplingParams, law
 
@@ -16,13 +16,34 @@ from ..sampling import Constraint, Law, SamplingParams, law
 @dataclass
 class Draft:
     tokens: list[int]
-    # the laws the tokens were sampled from (one per token); None means each token is
-    # a point mass (deterministic drafts, and every greedy draft)
+    # the laws the tokens were sampled from (one per token; a tree's sibling: given the siblings
+    # drawn before it); None means each token is a point mass (deterministic drafts, and every
+    # greedy draft)
     q: list[Law] | None = None
     source: Source = Source.MODEL  # which kind of drafter made it: acceptance is tracked per source
+    # a tree of drafts: tokens[i] follows tokens[parents[i]] (-1: the context), parents before
+    # children, siblings in the order they are verified; None: a chain
+    parents: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.source = Source(self.source)  # (a drafter of the user's may name it as a string)
+
+    @property
+    def width(self) -> int:
+        """The most children a node (or the context) has: 1 for a chain."""
+        if self.parents is None:
+            return 1
+        return max(self.parents.count(parent) for parent in set(self.parents))
+
+    @property
+    def depth(self) -> int:
+        """The longest branch's tokens (a chain's length)."""
+        if self.parents is None:
+            return len(self.tokens)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 + (depths[parent] if parent >= 0 else 0))
+        return max(depths, default=0)
 
 
 class Drafter(Protocol):
@@ -48,10 +69,14 @@ class Drafter(Protocol):
         grammar: what the answer is held to (its grammar, or its token healing) in its
         state after `context` (not to be advanced: clone it to walk ahead); a drafter
         that samples draws from its law (constraint.law), so that min(1, p_g/q_g) stays
-        exact."""
+        exact. A drafter whose `branches` attribute is true may also be given branch_cost, and
+        then draft a tree (Draft.parents; see Chain for what it means)."""
 
     def accept(self, context: list[int]) -> None:
         """A round is over: `context` is the sequence now (the drafts the target kept, and its token)."""
+
+
+MAX_SIBLINGS = 3  # a tree's alternatives to a chain token, at most
 
 
 @dataclass
@@ -68,6 +93,9 @@ class Chain:
     grammar: Constraint | None
     vocab: Model  # whose end-of-generation tokens end a draft, and whose sampler settings apply
     shared: int  # token ids the target has too: drafts stay within them
+    # a tree: branch_cost(k), what a verify pass of k tokens gains by one more (in the plan's
+    # tokens); a sibling is drafted where its path confidence beats it (None: a chain)
+    branch_cost: Callable[[int], float] | None = None
 
     def draft(
         self,
@@ -82,31 +110,82 @@ class Chain:
         walk = self.grammar.clone() if self.grammar is not None else None  # the constraint along this draft
         tokens: list[int] = []
         q_rows: list[Law] | None = None if params.greedy else []  # the laws the tokens were drawn from
+        parents: list[int] = []  # (a tree's: see Draft)
+        parent = -1  # the chain's last token
+        spine = 0  # the chain's tokens (a tree's siblings aside)
         p_all = 1.0  # the draft's own estimate that every token so far is accepted
         while True:
+            z = logits[:shared]
             if params.greedy:
-                token = int(np.argmax(logits[:shared])) if walk is None else walk.argmax(logits[:shared])
+                token = int(np.argmax(z)) if walk is None else walk.argmax(z)
                 # (without the constraint's mask: a hint is all it needs to be)
-                confidence = 1.0 / np.exp(logits[:shared] - logits[token]).sum() if stop_below else 1.0
+                weights = np.exp(z - z[token]) if stop_below or self.branch_cost is not None else None
+                confidence = 1.0 / weights.sum() if weights is not None else 1.0
             else:
                 vocab = self.vocab
-                q = law(logits[:shared], params, vocab) if walk is None else walk.law(logits[:shared], params, vocab)
+                q = law(z, params, vocab) if walk is None else walk.law(z, params, vocab)
                 # the law's top probability, as for greedy, and never the drawn token's q(x): a
                 # token kept or dropped by what was drawn is no longer drawn from q, and the answer
                 # leaves the target's law (measured on the Qwen pair at temperature 0.6-1: the
                 # expected acceptance sum(min(p, q)) was within 0.15 of max q; q(x) underestimates
                 # it, 0.35-0.56 for tokens of q(x) 0.01-0.2)
                 confidence = float(q.probs.max())
-            p_all *= confidence
-            if len(tokens) < len(stop_below) and p_all < stop_below[len(tokens)]:
+            if spine < len(stop_below) and p_all * confidence < stop_below[spine]:
                 break  # not worth verifying: stop (its draft step is already paid)
             if not params.greedy:
                 q_rows.append(q)
                 token = q.sample(self.rng.random())
+            at = len(tokens)
             tokens.append(token)
-            if len(tokens) == n or self.vocab.is_eog(token):  # nothing useful follows an end of generation
+            parents.append(parent)
+            if self.branch_cost is not None:  # where the draft is unsure, its next likeliest tokens too
+                ranked = Law(np.arange(len(z)), weights / weights.sum()) if params.greedy else q
+                self._siblings(ranked, token, p_all, parent, tokens, parents, q_rows)
+            p_all *= confidence
+            parent, spine = at, spine + 1
+            if spine == n or self.vocab.is_eog(token):  # nothing useful follows an end of generation
                 break
             if walk is not None:
                 walk.accept(token)
             logits = yield from step(token)
-        return Draft(tokens, q_rows, source=source)
+        chain = all(parent == i - 1 for i, parent in enumerate(parents))
+        return Draft(tokens, q_rows, source=source, parents=None if chain else parents)
+
+    def _siblings(
+        self, q: Law, drawn: int, p_all: float, parent: int, tokens: list[int], parents: list[int], q_rows
+    ) -> None:
+        """Siblings of `drawn` (the chain's token after `parent`, from q; greedy, q is the
+        softmax), where the draft is unsure (EAGLE-2): as many as q's next likeliest tokens
+        whose path confidence p_all·q(t) beats what one more verified token costs (branch_cost).
+        The count is read from q alone, before drawing: greedy, the siblings are those tokens;
+        sampled, draws from q without the tokens drawn before, each kept with the law it came
+        from (as verify_tree needs)."""
+        top = np.argpartition(-q.probs, MAX_SIBLINGS)[: MAX_SIBLINGS + 1] if len(q.ids) > MAX_SIBLINGS else None
+        top = np.arange(len(q.ids)) if top is None else top
+        ranked = top[np.argsort(-q.probs[top], kind="stable")]
+        candidates = [int(q.ids[i]) for i in ranked if q.ids[i] != drawn][:MAX_SIBLINGS]
+        leaves = len(tokens) - len(set(parents) - {-1})
+        count, room = 0, TREE_BRANCHES + 1 - leaves  # the branches a pass has left (each sibling is one more)
+        for candidate in candidates[:room]:
+            if p_all * q.prob(candidate) < self.branch_cost(len(tokens) + count + 1):
+                break
+            count += 1
+        if q_rows is None:
+            siblings = candidates[:count]
+        else:
+            siblings, rest = [], q
+            for _ in range(count):
+                if (rest := without(rest, drawn)) is None:
+                    break
+                drawn = rest.sample(self.rng.random())
+                siblings.append(drawn)
+                q_rows.append(rest)
+        tokens += siblings
+        parents += [parent] * len(siblings)
+
+
+def without(q: Law, token: int) -> Law | None:
+    """q with `token` taken out, renormalised (None: nothing left): the law of a draw without replacement."""
+    kept = q.ids != token
+    total = q.probs[kept].sum()
+    return Law(q.ids[kept], q.probs[kept] / total) if total > 0 else None

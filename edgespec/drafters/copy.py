@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..model import Model
+from ..model import TREE_BRANCHES, Model
 from ..modes import Source
 from .base import Draft
 
@@ -159,6 +159,15 @@ class Alignment:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """Text that followed the context's last n-gram at some of the places it occurs: a branch of
+    a copy's tree. share: of those places, the part followed by it."""
+
+    tokens: list[int]
+    share: float
+
+
+@dataclass(frozen=True)
 class Lookup:
     """What one source says comes next, and how long its alignment has held."""
 
@@ -258,6 +267,25 @@ class CopyDrafter:
         n = min(n, self.max_tokens)
         aligned = [a for a in self.alignments if a.pos is not None]
         return [Lookup(Draft(self._expected(a, n), None, source=a.name), a.evidence) for a in aligned]
+
+    def alternatives(self, n: int) -> list[Alternative]:
+        """What followed the context's last n-gram at every place in the sources it occurs, up to
+        n tokens of each, the most frequent first: of the n-gram sizes, the longest after which the
+        text went on in more than one way (a tree's other branches; none where it never did)."""
+        context = self.sources[CONTEXT]
+        for size in self.indexes[CONTEXT].sizes:
+            if size >= len(context):
+                continue
+            found: dict[tuple[int, ...], int] = {}
+            for source, index in zip(self.sources, self.indexes, strict=True):
+                for q in index.tables[size].get(tuple(context[-size:]), ()):
+                    text = tuple(source[q : q + n])
+                    found[text] = found.get(text, 0) + 1
+            if len({text[:1] for text in found if text}) > 1:
+                places = sum(found.values())
+                ranked = sorted(found.items(), key=lambda item: -item[1])
+                return [Alternative(list(text), count / places) for text, count in ranked if text]
+        return []
 
     def draft(self, context, n, params=None, rng=None, stop_below=(), grammar=None) -> Draft:
         """The draft of the source whose alignment has held longest (the controller weighs them all: lookups())."""
@@ -397,6 +425,39 @@ class CopyDrafter:
                 at = next((q for q in found if q >= a.followed), found[-1]) if a.source == PREDICTION else found[-1]
                 a.set(at, n)
                 return
+
+
+def branched(
+    draft: Draft, alternatives: list[Alternative], alpha: float, branch_cost: Callable[[int], float]
+) -> tuple[Draft, float]:
+    """A copy `draft` (a chain) grown into a tree by the alternatives, each grafted where it
+    parts from what the tree holds, no deeper than the draft: a node is added while its chance
+    of being reached and taken (α per token copied; where it parts, the alternative's share,
+    but no more than the copy's 1 - α) beats what one more token in the verify pass costs (branch_cost(k), the pass's k tokens);
+    a pass verifies TREE_BRANCHES + 1 branches at most. Returns the tree (a chain where nothing
+    was worth adding) and the tokens it adds to a round's expected yield, its nodes' chances."""
+    tokens, parents = list(draft.tokens), list(range(-1, len(draft.tokens) - 1))
+    nodes = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens, strict=True))}
+    gain = 0.0
+    for alternative in alternatives:
+        node, chance, parted = -1, 1.0, False  # chance: of the round reaching the next token
+        for token in alternative.tokens[: len(draft.tokens)]:
+            if (child := nodes.get((node, token))) is None:
+                # where it parts from the tree: taken only where the copy is not, and in its share
+                chance *= 1.0 if parted else min(alternative.share, 1.0 - alpha) / alpha
+                parted = True
+                new_branch = node in parents  # (else it lengthens a branch)
+                leaves = len(tokens) - len(set(parents) - {-1})
+                if chance < branch_cost(len(tokens) + 1) or (new_branch and leaves > TREE_BRANCHES):
+                    break
+                child = nodes[node, token] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+                gain += chance
+            chance *= alpha
+            node = child
+    tree = len(tokens) > len(draft.tokens)
+    return Draft(tokens, None, source=draft.source, parents=parents if tree else None), gain
 
 
 def _without_common_ends(old: str, new: str) -> tuple[str, str]:

@@ -1,0 +1,135 @@
+"""Draft trees (issue 49): several candidates verified in one target pass, exact, shaped by the
+machine's costs. SmolLM2-135M drafted by its own Q4_0 re-quantization (a draft whose q is not p,
+whose confidence is often split); exactness judged against llama-cpp-python's Llama."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import FixedCurve, GpuCosts
+from reference import assert_first_token_law, assert_greedy_as_llama, reference_for
+
+from edgespec import Engine, Model, ModelDrafter, calibration
+from edgespec.model import Pass
+
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+LENGTH = 48
+
+
+class SteepCosts(GpuCosts):
+    """A CPU's shape: each token more in a pass costs half a step (a draft step still a tenth of one)."""
+
+    def curve(self, model, sizes=calibration.TARGET_SIZES):
+        if sizes != calibration.TARGET_SIZES:
+            return super().curve(model, sizes)
+        return self._curves.setdefault((model, sizes), FixedCurve({k: 0.01 * (1 + 0.5 * (k - 1)) for k in sizes}))
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2, requantized_path):
+    draft = Model(requantized_path, n_ctx=1024)
+    yield Engine(smollm2, ModelDrafter(draft, smollm2.n_vocab), gamma="auto", draft_mode="auto")
+    draft.close()
+
+
+def test_a_tree_pass_gives_each_branch_its_own_rows(smollm2):
+    """Each node's row is the one Llama computes after the node's own branch (siblings, cousins
+    and their positions unseen); after keep(), the cache holds the branch taken as Llama would."""
+    llm = reference_for(smollm2).llm
+    prompt = smollm2.text_tokens("The quick brown fox jumps over the lazy dog. The quick brown")
+    nodes, parents = [300, 100, 400, 500, 200, 600], [-1, -1, 0, 2, 2, 1]
+
+    def branch(node: int) -> list[int]:
+        return [] if node < 0 else branch(parents[node]) + [nodes[node]]
+
+    def llama_row(tokens: list[int]) -> np.ndarray:
+        llm.reset()
+        llm.eval(tokens)
+        return np.array(llm.scores[len(tokens) - 1])
+
+    for taken in ([0, 2, 3], [0, 2, 4], [1, 5], []):
+        smollm2.truncate(0)
+        smollm2.eval(prompt[:-1])
+        tree = Pass(smollm2.seq, prompt[-1:] + nodes, len(nodes) + 1, parents=parents)
+        smollm2.decode([tree])
+        rows = np.array(tree.result())
+        for node in range(-1, len(nodes)):
+            expected = llama_row(prompt + branch(node))
+            assert int(np.argmax(rows[node + 1])) == int(np.argmax(expected)), f"node {node}"
+            np.testing.assert_allclose(rows[node + 1], expected, atol=0.05)
+        smollm2.keep(taken)
+        kept = [nodes[i] for i in taken]
+        assert kept[: len(smollm2.tokens) - len(prompt)] == smollm2.tokens[len(prompt) :]
+        after = np.array(smollm2.eval((prompt + kept)[len(smollm2.tokens) :] + [777]))
+        np.testing.assert_allclose(after, llama_row(prompt + kept + [777]), atol=0.05)
+    smollm2.truncate(0)
+
+
+def test_greedy_answers_with_trees_are_llamas(engine, monkeypatch):
+    """On a GPU's flat costs the draft model branches where it is unsure; the greedy answer is
+    Llama's, with trees and without."""
+    monkeypatch.setattr(engine, "costs", GpuCosts())
+    with_trees = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0)
+    assert with_trees.stats.tree_rounds > 0 and with_trees.stats.tree_drafted > with_trees.stats.tree_rounds
+    assert_greedy_as_llama("trees", engine, PROMPT, with_trees.tokens, raw=True, limit=LENGTH)
+    chains = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, trees=False)
+    assert chains.stats.tree_rounds == 0
+    assert chains.tokens == with_trees.tokens
+
+
+def test_the_shape_follows_the_machines_costs(engine, monkeypatch):
+    """Where one token more in a pass costs half a step (a CPU), no sibling of the draft model's
+    is worth it (each is less likely than its chain's token): chains are drafted (the draft model
+    still pays); where it costs nothing (a GPU), trees."""
+    monkeypatch.setattr(engine, "costs", SteepCosts())
+    steep = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, draft_mode="model")
+    assert steep.stats.rounds_by_source.get("model", 0) > 0, steep.stats.rounds_by_source
+    assert steep.stats.tree_rounds == 0
+    monkeypatch.setattr(engine, "costs", GpuCosts())
+    flat = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, draft_mode="model")
+    assert flat.stats.tree_rounds > 0
+    assert flat.tokens == steep.tokens
+
+
+def test_sampled_answers_with_trees_keep_the_targets_law(engine, monkeypatch):
+    """The first token of seeded answers at temperature 1 follows the law from Llama's logits
+    (chi-square), drawn through siblings accepted by recursive rejection sampling and resampled."""
+    monkeypatch.setattr(engine, "costs", GpuCosts())
+    params = {"temperature": 1.0, "top_k": 8, "top_p": 1.0, "min_p": 0.0}
+    answer = engine.generate(PROMPT, raw=True, max_tokens=16, seed=1, **params)
+    assert answer.stats.tree_rounds > 0
+    assert_first_token_law(engine, PROMPT, params, "auto", 600, draft_mode="model")
+
+
+CALLS = "total = add(1, 2)\nprint(total)\ntotal = add(3, 4)\nprint(total)\ntotal = mul(1, 2)\nprint(total)\n"
+CALLS += "total = add("
+
+
+@pytest.fixture(scope="module")
+def copier(smollm2):
+    return Engine(smollm2, None, gamma="auto", draft_mode="copy")
+
+
+def test_copies_branch_where_the_text_went_on_otherwise(copier, monkeypatch):
+    """`add(` was followed by `1, 2)` and by `3, 4)`: the copy drafts one, the other is a branch
+    of the same pass (point masses); the greedy answer is Llama's. On a CPU's steep costs the
+    branch does not pay: chains only."""
+    monkeypatch.setattr(copier, "costs", GpuCosts())
+    flat = copier.generate(CALLS, raw=True, max_tokens=LENGTH, temperature=0)
+    assert flat.stats.tree_rounds > 0
+    assert_greedy_as_llama("copy trees", copier, CALLS, flat.tokens, raw=True, limit=LENGTH)
+    monkeypatch.setattr(copier, "costs", SteepCosts())
+    steep = copier.generate(CALLS, raw=True, max_tokens=LENGTH, temperature=0)
+    assert steep.stats.rounds_by_source.get("copy", 0) > 0 and steep.stats.tree_rounds == 0
+    assert steep.tokens == flat.tokens
+
+
+def test_seeded_answers_are_the_same_with_copy_trees(copier, monkeypatch):
+    """A copy's branches are point masses, accepted where the position's own draw is one of them:
+    a seeded answer at temperature 1 is token for token the one drafted without trees."""
+    monkeypatch.setattr(copier, "costs", GpuCosts())
+    params = {"temperature": 1.0, "top_k": 40, "seed": 7}
+    with_trees = copier.generate(CALLS, raw=True, max_tokens=LENGTH, **params)
+    assert with_trees.stats.tree_rounds > 0
+    chains = copier.generate(CALLS, raw=True, max_tokens=LENGTH, trees=False, **params)
+    assert chains.tokens == with_trees.tokens
