@@ -288,7 +288,7 @@ class Controller:
         else:  # as told; of two copies (the context's, the prediction's), the one of higher α
             plan = Plan(self._acceptance(key).alpha, draft.source, n, key=key)
         plan.draft = Draft(draft.tokens[: plan.gamma], None, source=draft.source)
-        if alternatives and self.adaptive:
+        if alternatives:
             tree, gain = branched(plan.draft, alternatives, plan.alpha, self._branch_cost(plan))
             if tree.parents is not None:  # E[n] grows by each node's chance, the pass by its tokens
                 costs, gamma, alpha = self.costs, plan.gamma, plan.alpha
@@ -314,7 +314,8 @@ class Controller:
         confident_copy = False
         if copy := self.drafters.get(Source.COPY):  # the context's and the prediction's, each on its own α
             longest = min(room, fixed or MAX_COPY_DRAFT)
-            alternatives = copy.alternatives(longest) if self.trees and grammar is None else []
+            branching = self.trees and self.adaptive and grammar is None  # (a tree is planned by its costs)
+            alternatives = copy.alternatives(longest) if branching else []
             for lookup in copy.lookups(longest):
                 draft, evidence = lookup.draft, lookup.evidence
                 if grammar is not None:

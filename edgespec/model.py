@@ -788,7 +788,8 @@ class Model(Tokenizer):
             depth.append(depth[parent] + 1 if parent >= 0 else 0)
         # the first branch's cells first: kept (see keep()), they follow the cache's with no gap
         # between, as a chain's would (cells out of order change the logits by up to 0.5 here)
-        order = first + [node for node in range(n_nodes) if node not in set(first)]
+        on_first = set(first)
+        order = first + [node for node in range(n_nodes) if node not in on_first]
         at = len(self.tokens) + 1  # the first node's position
         batch = self._batch
         rows = [(root, at - 1, [self.seq, *spares])] + [(nodes[n], at + depth[n], holders[n]) for n in order]

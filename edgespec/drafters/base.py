@@ -139,8 +139,10 @@ class Chain:
             tokens.append(token)
             parents.append(parent)
             if self.branch_cost is not None:  # where the draft is unsure, its next likeliest tokens too
-                ranked = Law(np.arange(len(z)), weights / weights.sum()) if params.greedy else q
-                self._siblings(ranked, token, p_all, parent, tokens, parents, q_rows)
+                # (greedy: the softmax's likeliest, read from its weights: no law over the vocabulary)
+                sampled = None if params.greedy else q
+                likeliest = _likeliest(None, weights, 1 / confidence) if sampled is None else _likeliest(q.ids, q.probs)
+                self._siblings(likeliest, sampled, token, p_all, parent, tokens, parents, q_rows)
             p_all *= confidence
             parent, spine = at, spine + 1
             if spine == n or self.vocab.is_eog(token):  # nothing useful follows an end of generation
@@ -152,26 +154,30 @@ class Chain:
         return Draft(tokens, q_rows, source=source, parents=None if chain else parents)
 
     def _siblings(
-        self, q: Law, drawn: int, p_all: float, parent: int, tokens: list[int], parents: list[int], q_rows
+        self,
+        likeliest: list[tuple[int, float]],
+        q: Law | None,
+        drawn: int,
+        p_all: float,
+        parent: int,
+        tokens: list[int],
+        parents: list[int],
+        q_rows: list[Law] | None,
     ) -> None:
-        """Siblings of `drawn` (the chain's token after `parent`, from q; greedy, q is the
-        softmax), where the draft is unsure (EAGLE-2): as many as q's next likeliest tokens
-        whose path confidence p_all·q(t) beats what one more verified token costs (branch_cost).
-        The count is read from q alone, before drawing: greedy, the siblings are those tokens;
-        sampled, draws from q without the tokens drawn before, each kept with the law it came
-        from (as verify_tree needs)."""
-        top = np.argpartition(-q.probs, MAX_SIBLINGS)[: MAX_SIBLINGS + 1] if len(q.ids) > MAX_SIBLINGS else None
-        top = np.arange(len(q.ids)) if top is None else top
-        ranked = top[np.argsort(-q.probs[top], kind="stable")]
-        candidates = [int(q.ids[i]) for i in ranked if q.ids[i] != drawn][:MAX_SIBLINGS]
-        leaves = len(tokens) - len(set(parents) - {-1})
-        count, room = 0, TREE_BRANCHES + 1 - leaves  # the branches a pass has left (each sibling is one more)
-        for candidate in candidates[:room]:
-            if p_all * q.prob(candidate) < self.branch_cost(len(tokens) + count + 1):
+        """Siblings of `drawn` (the chain's token after `parent`), where the draft is unsure
+        (EAGLE-2): as many as its next likeliest tokens (`likeliest`: (token, probability), the
+        likeliest first) whose path confidence p_all·q(t) beats what one more verified token
+        costs (branch_cost). The count is read from the law alone, before drawing: greedy, the
+        siblings are those tokens; sampled, draws from q without the tokens drawn before, each
+        kept with the law it came from (as verify_tree needs)."""
+        candidates = [(token, prob) for token, prob in likeliest if token != drawn][:MAX_SIBLINGS]
+        count, room = 0, TREE_BRANCHES + 1 - leaves(parents)  # the branches a pass has left (a sibling is one more)
+        for _, prob in candidates[:room]:
+            if p_all * prob < self.branch_cost(len(tokens) + count + 1):
                 break
             count += 1
-        if q_rows is None:
-            siblings = candidates[:count]
+        if q is None:
+            siblings = [token for token, _ in candidates[:count]]
         else:
             siblings, rest = [], q
             for _ in range(count):
@@ -182,6 +188,20 @@ class Chain:
                 q_rows.append(rest)
         tokens += siblings
         parents += [parent] * len(siblings)
+
+
+def _likeliest(ids: np.ndarray | None, weights: np.ndarray, total: float = 1.0) -> list[tuple[int, float]]:
+    """The MAX_SIBLINGS + 1 likeliest of a law's tokens (ids None: token i has weights[i]), as
+    (token, probability: weight / total), the likeliest first: one partition, no sort of them all."""
+    n = MAX_SIBLINGS + 1
+    top = np.argpartition(-weights, n - 1)[:n] if len(weights) > n else np.arange(len(weights))
+    top = top[np.argsort(-weights[top], kind="stable")]
+    return [(int(i if ids is None else ids[i]), float(weights[i]) / total) for i in top]
+
+
+def leaves(parents: list[int]) -> int:
+    """A tree's leaves, by its parents (see Draft): the nodes no node names as its parent."""
+    return len(parents) - len(set(parents) - {-1})
 
 
 def without(q: Law, token: int) -> Law | None:

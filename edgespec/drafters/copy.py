@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..model import TREE_BRANCHES, Model
 from ..modes import Source
-from .base import Draft
+from .base import Draft, leaves
 
 CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
 SOURCE_NAMES = (Source.COPY, Source.PREDICTION)  # what a copy draft reports as its source, per source
@@ -22,6 +22,7 @@ MAX_RULE = (4, 8)  # longest learnt substitution: source tokens -> what the targ
 REANCHOR_KEEPS = 0.5  # of the evidence an alignment had, what it keeps when found again nearby
 MIN_LOST = 4  # an alignment that held for fewer tokens was a chance match: not worth finding again
 MIN_RENAME = 3  # shortest word whose renaming is carried over to the other tokens it appears in
+ALTERNATIVE_PLACES = 32  # a tree's copies look at the latest this many places an n-gram occurs (a round's cost)
 PREDICTION_CREDIT = 16  # the evidence a prediction starts with: the client says the answer repeats it
 
 
@@ -278,7 +279,7 @@ class CopyDrafter:
                 continue
             found: dict[tuple[int, ...], int] = {}
             for source, index in zip(self.sources, self.indexes, strict=True):
-                for q in index.tables[size].get(tuple(context[-size:]), ()):
+                for q in index.tables[size].get(tuple(context[-size:]), ())[-ALTERNATIVE_PLACES:]:
                     text = tuple(source[q : q + n])
                     found[text] = found.get(text, 0) + 1
             if len({text[:1] for text in found if text}) > 1:
@@ -431,11 +432,12 @@ def branched(
     draft: Draft, alternatives: list[Alternative], alpha: float, branch_cost: Callable[[int], float]
 ) -> tuple[Draft, float]:
     """A copy `draft` (a chain) grown into a tree by the alternatives, each grafted where it
-    parts from what the tree holds, no deeper than the draft: a node is added while its chance
+    parts from what the tree holds, no deeper than the draft. A node is added while its chance
     of being reached and taken (α per token copied; where it parts, the alternative's share,
-    but no more than the copy's 1 - α) beats what one more token in the verify pass costs (branch_cost(k), the pass's k tokens);
-    a pass verifies TREE_BRANCHES + 1 branches at most. Returns the tree (a chain where nothing
-    was worth adding) and the tokens it adds to a round's expected yield, its nodes' chances."""
+    but no more than the copy's 1 - α) beats what one more token in the verify pass costs
+    (branch_cost(k), the pass's k tokens); a pass verifies TREE_BRANCHES + 1 branches at most.
+    Returns the tree (a chain where nothing was worth adding) and the tokens it adds to a
+    round's expected yield, its nodes' chances."""
     tokens, parents = list(draft.tokens), list(range(-1, len(draft.tokens) - 1))
     nodes = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens, strict=True))}
     gain = 0.0
@@ -447,8 +449,7 @@ def branched(
                 chance *= 1.0 if parted else min(alternative.share, 1.0 - alpha) / alpha
                 parted = True
                 new_branch = node in parents  # (else it lengthens a branch)
-                leaves = len(tokens) - len(set(parents) - {-1})
-                if chance < branch_cost(len(tokens) + 1) or (new_branch and leaves > TREE_BRANCHES):
+                if chance < branch_cost(len(tokens) + 1) or (new_branch and leaves(parents) > TREE_BRANCHES):
                     break
                 child = nodes[node, token] = len(tokens)
                 tokens.append(token)
