@@ -50,6 +50,9 @@ COPY_BUCKETS = ((2, 4), (8, 16), (16, 32), (64, float("inf")))  # (key, evidence
 PRIOR_WEIGHT = 6.0  # pseudo-observations behind the prior: draws stay near it until evidence comes
 MAX_MODEL_GAMMA = 12
 MAX_COPY_DRAFT = 64
+# a tree's node less likely to be taken than this is left out, even where the curve says one more
+# token in the pass is free (V flat from k to k + 1): it would cost its Python and swell the stats
+MIN_NODE_CHANCE = 0.01
 SLOW_START = 2  # longest draft before any evidence; +4 per recently accepted token
 HYBRID_MIN_MATCH = 5  # hybrid mode: a copy backed by this many agreeing tokens is confident enough to use
 
@@ -348,9 +351,9 @@ class Controller:
 
     def _branch_cost(self, plan: Plan):
         """What one more token in a pass of k costs, in the tokens `plan` would make in that time
-        (a tree's node is worth verifying where its chance of being taken beats it)."""
+        (a tree's node is worth verifying where its chance of being taken beats it), at least MIN_NODE_CHANCE."""
         verify = self.costs.in_batch
-        return lambda k: plan.rate * (verify(k + 1) - verify(k))
+        return lambda k: max(plan.rate * (verify(k + 1) - verify(k)), MIN_NODE_CHANCE)
 
     def draft(
         self,

@@ -132,6 +132,7 @@ class TreePass:
     at: int
     first: list[int]  # the branch of first children, which the current sequence holds
     spares: list[int]  # the other branches' sequence ids
+    hidden: np.ndarray | None  # where they are exported: the hidden states of its root and nodes, in node order
 
 
 @dataclass
@@ -445,13 +446,18 @@ class Model(Tokenizer):
     def _keep_hidden(self, state: SequenceState, index: int, count: int) -> None:
         """After a decode: the hidden states of its tokens index..index+count-1, which the
         sequence holds at its last `count` positions."""
-        if not self.hidden_width:
-            return
+        if self.hidden_width:
+            self._add_hidden(state, HiddenStates(len(state.tokens) - count, [self._hidden_rows(index + count)[index:]]))
+
+    def _hidden_rows(self, count: int) -> np.ndarray:
+        """The hidden states of the last decode's first `count` tokens (a copy)."""
         states = llama_ext.llama_get_embeddings_nextn(self._ctx)
         if not states:
             raise EdgespecError(f"llama.cpp kept no hidden states of {self.path.name}; use --no-draft")
-        block = np.ctypeslib.as_array(states, shape=(index + count, self.hidden_width))[index:].copy()
-        newer = HiddenStates(len(state.tokens) - count, [block])
+        return np.ctypeslib.as_array(states, shape=(count, self.hidden_width)).copy()
+
+    @staticmethod
+    def _add_hidden(state: SequenceState, newer: HiddenStates) -> None:
         state.hidden = newer if state.hidden is None else state.hidden.add(newer)
 
     def use(self, seq: int) -> None:
@@ -480,9 +486,8 @@ class Model(Tokenizer):
 
     @property
     def can_branch(self) -> bool:
-        """Whether a pass may carry a tree of drafts (Pass.parents): a one-sequence attention
-        context whose hidden states are not exported (MTP heads read a chain's)."""
-        return self.branches > 0 and not self.hidden_width
+        """Whether a pass may carry a tree of drafts (Pass.parents): a one-sequence attention context."""
+        return self.branches > 0
 
     def _make_context(self, n_ctx: int, n_batch: int, flash_attn: bool, *, n_snapshots: int | None = None) -> None:
         ctx_params = llama_cpp.llama_context_default_params()
@@ -809,15 +814,18 @@ class Model(Tokenizer):
         self._now.last_pass, self._now.last_decode = 1 + n_nodes, self._decodes
         self.tokens.append(root)
         self.tokens.extend(nodes[node] for node in first)
-        self._tree = TreePass(at, first, spares)
+        in_node_order = np.argsort([-1, *order]) if n_nodes else [0]
+        hidden = self._hidden_rows(1 + n_nodes)[in_node_order] if self.hidden_width else None
+        self._tree = TreePass(at, first, spares, hidden)
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(1 + n_nodes, self.n_vocab))
-        return logits[np.argsort([-1, *order]) if n_nodes else [0]]
+        return logits[in_node_order]
 
     def keep(self, path: list[int]) -> None:
         """Settle the last tree pass, whose nodes `path` (root first) the target took: the other
         branches are removed, and the sequence keeps as much of the path as its first-children
         branch shares (the rest, on another branch, is read again by the next pass: kept where it
-        was written, its cells would lie out of order)."""
+        was written, its cells would lie out of order). The hidden states of the root and the
+        whole path are kept (each node's is its own branch's): MTP heads read them at once."""
         tree, self._tree = self._tree, None
         if tree is None:
             raise ValueError("keep() follows a tree pass")
@@ -825,7 +833,9 @@ class Model(Tokenizer):
         self._check(llama_cpp.llama_memory_seq_rm(self._memory, self.seq, tree.at + kept, -1))
         for spare in tree.spares:
             self._check(llama_cpp.llama_memory_seq_rm(self._memory, spare, -1, -1))
-        del self.tokens[tree.at + kept :]
+        self._drop_from(tree.at + kept)
+        if tree.hidden is not None:  # (the path's rows past the cache are replaced when it reads them again)
+            self._add_hidden(self._now, HiddenStates(tree.at - 1, [tree.hidden[[0, *(node + 1 for node in path)]]]))
 
     def _check(self, done: bool) -> None:
         if not done:

@@ -20,7 +20,7 @@ from edgespec import calibration
 from edgespec.controller import MODEL_PRIOR_ALPHA
 from edgespec.errors import EdgespecError
 from edgespec.heads import has_heads
-from edgespec.model import HiddenStates
+from edgespec.model import HiddenStates, Model, Pass
 from edgespec.pairing import HEADS, find_draft
 
 pytestmark = pytest.mark.slow  # models written with the gguf package
@@ -78,6 +78,10 @@ def test_greedy_answers_with_heads_are_llamas(engines, kind, mode, monkeypatch):
     answer = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, draft_mode=mode, gamma=gamma)
     assert_greedy_as_llama(f"{kind} {mode}", engine, PROMPT, answer.tokens, raw=True, limit=LENGTH)
     stats = answer.stats
+    if mode == "auto" and kind == "random":  # unsure heads: their next likeliest tokens verified beside theirs
+        assert stats.tree_rounds > 0
+        chains = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, trees=False)
+        assert chains.stats.tree_rounds == 0 and chains.tokens == answer.tokens
     if mode == "model":
         assert stats.rounds_by_source["heads"] >= stats.rounds - 1  # every round but the last (no room) drafted
         if kind == "copying":
@@ -134,6 +138,42 @@ def test_sampled_drafts_from_heads_keep_the_targets_law(engines):
     acceptance test) follows the target's law, through accepted drafts and resampled tokens."""
     params = dict(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0)
     assert_first_token_law(engines["loose"], PROMPT, params, 3, 1500, draft_mode="model")
+
+
+def test_sampled_trees_from_heads_keep_the_targets_law(engines, monkeypatch):
+    """With trees (a GPU's costs, γ planned), the loose heads' siblings drawn without replacement
+    and accepted by recursive rejection sampling: the first token still follows the target's law."""
+    monkeypatch.setattr(engines["loose"], "costs", GpuCosts())
+    params = dict(temperature=0.7, top_k=20, top_p=1.0, min_p=0.0)
+    answer = engines["loose"].generate(PROMPT, raw=True, max_tokens=16, seed=1, draft_mode="model", **params)
+    assert answer.stats.tree_rounds > 0
+    assert_first_token_law(engines["loose"], PROMPT, params, "auto", 600, draft_mode="model")
+
+
+def test_a_tree_pass_keeps_the_hidden_states_of_the_branch_taken(mtp):
+    """What the heads read after a tree round: the target's hidden states of the root and of the
+    path it took (on the first branch, on another, on none) are those a chain's pass leaves."""
+    target = Model(mtp["random"], n_ctx=256, load_mtp=True)
+    target.export_hidden()
+    prompt = target.text_tokens(PROMPT)
+    nodes, parents = [300, 100, 400, 500, 200, 600], [-1, -1, 0, 2, 2, 1]
+
+    def chain_states(tokens: list[int]) -> np.ndarray:
+        target.truncate(0)
+        target.take_hidden()
+        target.eval(tokens)
+        return target.take_hidden().rows(0, len(tokens))
+
+    for path in ([0, 2, 3], [0, 2, 4], [1, 5], []):
+        target.truncate(0)
+        target.eval(prompt[:-1])
+        target.decode([Pass(target.seq, prompt[-1:] + nodes, len(nodes) + 1, parents=parents)])
+        target.keep(path)
+        held = target.take_hidden()
+        taken = prompt + [nodes[node] for node in path]
+        assert (held.at, held.end) == (0, len(taken))
+        np.testing.assert_allclose(held.rows(0, len(taken)), chain_states(taken), atol=1e-3)
+    target.close()
 
 
 def test_draft_auto_takes_the_heads_first(mtp):

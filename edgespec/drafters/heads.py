@@ -4,7 +4,9 @@ A chain, as llama.cpp drafts with them: the layers read the round's last token w
 hidden state before it and give the first draft token, then read each draft token with their own
 hidden state to give the next. Trained for the first of these only (DeepSeek-V3, GLM-4.5 and
 Qwen3.5 train one MTP layer to predict one token ahead), so acceptance falls along the chain, and
-the controller's stop_below ends it where it no longer pays.
+the controller's stop_below ends it where it no longer pays. Where the target verifies trees, the
+layers' next likeliest tokens go beside the chain's where their chance pays for their place in the
+pass (Chain): no layer step more, and the target's hidden states of the branch it took are kept.
 
 Each position p the layers hold is the context's token there with the target's hidden state at
 p - 1 (zeros before the first), written when the target has decoded p - 1 (its hidden states are
@@ -41,6 +43,7 @@ class HeadsDrafter:
 
     model: Model | None = None  # no model of its own: its step is priced apart (MachineCosts.draft_step)
     source = Source.HEADS
+    branches = True  # it drafts trees where it is unsure (Chain.branch_cost): its next likeliest tokens
 
     def __init__(self, heads: Heads) -> None:
         self.heads = heads
@@ -55,7 +58,7 @@ class HeadsDrafter:
     def accept(self, context: list[int]) -> None:
         """Nothing to do: the next draft cuts this one's positions before writing the context's."""
 
-    def draft(self, context, n, params, rng, stop_below=(), grammar=None) -> Draft:
+    def draft(self, context, n, params, rng, stop_below=(), grammar=None, branch_cost=None) -> Draft:
         first = self._write(context)
         if first is None:  # the target's hidden states before the context's end are gone (a restored prompt)
             return Draft([], None, source=Source.HEADS)
@@ -68,7 +71,7 @@ class HeadsDrafter:
             return logits
             yield  # (never reached: the layers' reads are not handed out to be decoded with others)
 
-        chain = Chain(params, rng, stop_below, grammar, self.target, shared=self.target.n_vocab)
+        chain = Chain(params, rng, stop_below, grammar, self.target, self.target.n_vocab, branch_cost)
         return decoded_alone(chain.draft(logits, n, step, Source.HEADS))
 
     def _write(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
