@@ -30,7 +30,8 @@ import numpy as np
 
 from .cost_curve import expected_tokens
 from .costs import DECAY, RoundCosts
-from .drafters import CopyDrafter, Draft, Drafter, GrammarDrafter, ModelDrafter
+from .drafters import Branching, CopyDrafter, Draft, Drafter, GrammarDrafter, ModelDrafter
+from .drafters.base import MAX_SIBLINGS
 from .drafters.copy import Alternative, branched
 from .model import Pass
 from .modes import DraftMode, Gamma, Source, adaptive
@@ -53,6 +54,8 @@ MAX_COPY_DRAFT = 64
 # a tree's node less likely to be taken than this is left out, even where the curve says one more
 # token in the pass is free (V flat from k to k + 1): it would cost its Python and swell the stats
 MIN_NODE_CHANCE = 0.01
+RANKS = range(1, MAX_SIBLINGS + 1)  # a sibling's (see SiblingKey)
+SIBLING_PRIOR = 2.0  # of chance: a rank's trust stays near 1 until its siblings' outcomes outweigh this
 SLOW_START = 2  # longest draft before any evidence; +4 per recently accepted token
 HYBRID_MIN_MATCH = 5  # hybrid mode: a copy backed by this many agreeing tokens is confident enough to use
 
@@ -89,6 +92,47 @@ class CopyKey:
 
 
 AcceptanceKey = Source | CopyKey  # whose acceptance rate: MODEL, GRAMMAR, or a copy's CopyKey
+
+
+@dataclass(frozen=True)
+class SiblingKey:
+    """A drafter's siblings of one rank in a tree (1: its next likeliest token after the chain's)."""
+
+    source: Source  # MODEL or HEADS
+    rank: int
+
+    def __str__(self) -> str:  # as Stats.alpha_by_source names their share taken: "model-sibling1", ...
+        return f"{self.source}-sibling{self.rank}"
+
+
+@dataclass
+class SiblingTrust:
+    """How the target took one rank's siblings where it reached their parent: `taken` of the
+    `reached`, against the chances the drafter gave them (summed: `predicted`)."""
+
+    taken: float = 0.0
+    predicted: float = 0.0
+    reached: float = 0.0
+
+    @property
+    def trust(self) -> float:
+        """What the drafter's chances for this rank are to be multiplied by (1: as judged)."""
+        return (self.taken + SIBLING_PRIOR) / (self.predicted + SIBLING_PRIOR)
+
+    @property
+    def share(self) -> float:
+        """Of the siblings reached, the share taken."""
+        return self.taken / self.reached if self.reached else 0.0
+
+    def observe(self, taken: bool, chance: float) -> None:
+        self.taken += taken
+        self.predicted += chance
+        self.reached += 1
+
+    def decay(self) -> None:
+        self.taken *= DECAY
+        self.predicted *= DECAY
+        self.reached *= DECAY
 
 
 def prior_alpha(key: AcceptanceKey) -> float:
@@ -207,6 +251,7 @@ class Controller:
         if self.mode is DraftMode.AUTO and Source.MODEL in self.drafters and not self._model_can_pay(MODEL_GATE_ALPHA):
             del self.drafters[Source.MODEL]  # it would lose here whatever it drafts: not run, not prefilled
         self.acceptance: dict[AcceptanceKey, Acceptance] = {}
+        self.siblings: dict[SiblingKey, SiblingTrust] = {}  # a tree's siblings, per drafter and rank
         self.predicted = Prediction()
         self._rng = np.random.default_rng(seed)  # the Thompson draws
 
@@ -381,18 +426,25 @@ class Controller:
                 # the shape from the machine: a sibling is verified where its chance of being the
                 # target's token beats what one more token in the pass costs at this rate (where V
                 # is steep, a CPU's, that is a large part of a step: the chain stays a chain)
-                tree = {"branch_cost": self._branch_cost(plan)}
+                trust = [self.siblings.get(SiblingKey(self.model_key, r), SiblingTrust()).trust for r in RANKS]
+                tree = {"branching": Branching(self._branch_cost(plan), trust)}
         if isinstance(drafter, ModelDrafter):  # its passes handed out
             return (yield from drafter.draft_steps(context, plan.gamma, params, rng, stop_below, grammar, **tree))
         return drafter.draft(context, plan.gamma, params, rng, stop_below, grammar=grammar, **tree)
 
     def observe(
-        self, plan: Plan, draft: Draft, n_accepted: int, timing: RoundTiming, context: list[int]
+        self,
+        plan: Plan,
+        draft: Draft,
+        n_accepted: int,
+        timing: RoundTiming,
+        context: list[int],
+        path: list[int] | None = None,
     ) -> RoundReport:
-        """Learn from a finished round: `plan`'s `draft`, of which the target kept n_accepted,
-        took `timing`; `context` is the sequence after it. Its acceptance, the real costs,
-        the draws the plan used, and what the drafters see in the new tokens. Returns the
-        round's report (for Stats)."""
+        """Learn from a finished round: `plan`'s `draft`, of which the target kept n_accepted
+        (a tree's: the nodes of `path`, root first), took `timing`; `context` is the sequence
+        after it. Its acceptance (a tree's siblings' per rank), the real costs, the draws the
+        plan used, and what the drafters see in the new tokens. Returns the round's report (for Stats)."""
         costs, source = self.costs, draft.source
         if plan.rng_state is not None:
             self._rng.bit_generator.state = plan.rng_state
@@ -401,8 +453,10 @@ class Controller:
             seconds = costs.expected(plan.source, plan.gamma, plan.alpha)
             self.predicted.tokens += plan.expected_rate * seconds
             self.predicted.steps += seconds / costs.plain_step()
-        for learnt in self.acceptance.values():
+        for learnt in [*self.acceptance.values(), *self.siblings.values()]:
             learnt.decay()
+        if draft.chances is not None:
+            self._observe_siblings(draft, path)
         if draft.tokens and not source.free:  # free drafts learn from every token (below)
             self.acceptance_of(plan.key).observe(n_accepted, draft.depth)  # (a tree's: along its chain)
         if self.adaptive:  # (by the plan's source: the heads are priced in the draft model's place)
@@ -421,8 +475,20 @@ class Controller:
             len(draft.tokens),
             n_accepted,
             timing,
-            {str(key): round(a.alpha, 3) for key, a in self.acceptance.items()},
+            {str(key): round(a.alpha, 3) for key, a in self.acceptance.items()}
+            | {str(key): round(s.share, 3) for key, s in self.siblings.items()},
             self.predicted.speedup,
             costs.plain_step() if self.adaptive else 0.0,
             tree=draft.parents is not None,
         )
+
+    def _observe_siblings(self, draft: Draft, path: list[int]) -> None:
+        """Each sibling whose parent the target reached (the context, or a node of `path`):
+        taken or not, against the chance its drafter gave it, under its rank."""
+        reached, taken = {-1, *path}, set(path)
+        children: dict[int, int] = {}  # per parent, its children so far (the first: the chain's)
+        for node, parent in enumerate(draft.parents):
+            rank = children[parent] = children.get(parent, -1) + 1
+            if rank and parent in reached:
+                trust = self.siblings.setdefault(SiblingKey(draft.source, rank), SiblingTrust())
+                trust.observe(node in taken, draft.chances[node])

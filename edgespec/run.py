@@ -295,7 +295,7 @@ class Run:
             timing = RoundTiming(
                 t1 - t0 - beside, target_pass.seconds + t2 - t_decoded, rollback, rereads, target_pass.beside
             )
-            report = controller.observe(plan, draft, n, timing, seq)
+            report = controller.observe(plan, draft, n, timing, seq, kept)
             # its own time: the other runs' steps while it waited for its decodes are theirs
             own = (t_pass - t0 - beside) + target_pass.seconds + (perf_counter() - t_decoded) - (t3 - t2)
             self.stats.record(report, own)

@@ -15,7 +15,7 @@ and only their count matters).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -148,8 +148,9 @@ def controller_on(
 class RecordedDraftModel:
     """The draft model as the recording saw it: drafts the answer's next tokens while its argmax
     agreed with the target, then wrong tokens; stops where its confidence says to (stop_below).
-    Given branch_cost, its next likeliest tokens are siblings where their confidence beats it,
-    as Chain drafts them: the answer's token where it was of that rank, else a wrong one."""
+    Given branching, its next likeliest tokens are siblings where their confidence (weighed by
+    the rank's trust) beats the cost, as Chain drafts them: the answer's token where it was of
+    that rank, else a wrong one."""
 
     WRONG = -1  # a token no answer holds (-1 - rank: a wrong sibling)
     model = None
@@ -164,9 +165,9 @@ class RecordedDraftModel:
     def accept(self, context: list[int]) -> None:
         pass
 
-    def draft(self, context, n, params, rng, stop_below=(), grammar=None, branch_cost=None) -> Draft:
+    def draft(self, context, n, params, rng, stop_below=(), grammar=None, branching=None) -> Draft:
         at, r = len(context) - len(self.recorded.prompt), self.recorded
-        tokens, parents, chain, p_all, missed = [], [], [], 1.0, False  # chain: the nodes of its chain
+        tokens, parents, chances, chain, p_all, missed = [], [], [], [], 1.0, False  # chain: the nodes of its chain
         for i in range(at, min(at + n, len(r.answer))):
             if len(chain) < len(stop_below) and p_all * r.draft_confidence[i] < stop_below[len(chain)]:
                 break
@@ -176,14 +177,18 @@ class RecordedDraftModel:
             chain.append(len(tokens))
             tokens.append(self.WRONG if missed else r.answer[i])
             parents.append(parent)
-            for rank in range(1, MAX_SIBLINGS + 1) if branch_cost is not None else ():
-                if p_all * r.draft_top[i][rank] < branch_cost(len(tokens) + 1):
+            chances.append(r.draft_confidence[i])
+            for rank in range(1, MAX_SIBLINGS + 1) if branching is not None else ():
+                chance = r.draft_top[i][rank]
+                if p_all * chance * branching.trust[rank - 1] < branching.cost(len(tokens) + 1):
                     break
                 tokens.append(r.answer[i] if right and r.draft_ranks[i] == rank else self.WRONG - rank)
                 parents.append(parent)
+                chances.append(chance)
             p_all *= r.draft_confidence[i]
-        tree = len(chain) < len(tokens)
-        return Draft(tokens, None, source=Source.MODEL, parents=parents if tree else None)
+        if len(chain) == len(tokens):
+            return Draft(tokens, None, source=Source.MODEL)
+        return Draft(tokens, None, source=Source.MODEL, parents=parents, chances=chances)
 
 
 @dataclass(frozen=True)
@@ -194,6 +199,8 @@ class Replayed:
     steps: float  # target steps (V(1) = 1) the rounds cost
     rounds_by_source: dict[str, int]
     trees: int = 0  # rounds that verified a tree
+    siblings: int = 0  # the draft model's siblings those trees held
+    trust: dict[str, float] = field(default_factory=dict)  # per rank, as the controller learnt it (SiblingKey)
 
     @property
     def speedup(self) -> float:
@@ -221,7 +228,7 @@ def replay(
     controller = controller_on(mode, gamma, CostCurve(dict(verify)), draft_curve, drafter, copy, seed=seed, trees=trees)
     answer, seq = recorded.answer, list(recorded.prompt)
     decoded_alone(controller.begin(seq, room=MAX_TOKENS))
-    steps, by_source, trees = 0.0, {}, 0
+    steps, by_source, trees, siblings = 0.0, {}, 0, 0
     rng = np.random.default_rng(0)
     while (done := len(seq) - len(recorded.prompt)) < len(answer):
         plan = controller.plan(seq, len(answer) - done - 1)
@@ -232,11 +239,13 @@ def replay(
         seq += answer[done : done + n + 1]
         made = draft.depth * draft_step if draft.source is Source.MODEL else 0.0
         timing = RoundTiming(draft=made, verify=controller.costs.verify_pass(len(draft.tokens) + 1))
-        controller.observe(plan, draft, n, timing, seq)
+        controller.observe(plan, draft, n, timing, seq, kept)
         steps += timing.total
         by_source[draft.source.value] = by_source.get(draft.source.value, 0) + 1
         trees += draft.parents is not None
-    return Replayed(len(answer), steps, by_source, trees)
+        siblings += len(draft.tokens) - draft.depth if draft.source is Source.MODEL else 0
+    trust = {str(key): learnt.trust for key, learnt in controller.siblings.items()}
+    return Replayed(len(answer), steps, by_source, trees, siblings, trust)
 
 
 def _at_depth(written: list[int], draft: Draft, row: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 from replay import CURVES, DRAFT_STEPS, RECORDING, load, replay, tree_gains
 
 from edgespec import Model
+from edgespec.controller import SiblingTrust
+from edgespec.drafters.base import MAX_SIBLINGS
 from edgespec.resolve import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +96,21 @@ def test_trees_pay_where_the_curve_is_flat_and_never_cost(vocab):
         assert np.mean([g.gain for g in rows]) >= 0.99, (curve, [(g.name, round(g.gain, 3)) for g in rows])
     assert sum(g.tree_rounds for g in by_curve["gpu"]) > 0
     assert np.mean([g.gain for g in by_curve["gpu"]]) > 1.0
+
+
+def test_siblings_are_drafted_by_how_often_the_target_takes_them(vocab, monkeypatch):
+    """Sequoia's acceptance per rank, measured: where the draft model's next likeliest tokens are
+    never the answer's (the chat answer with its ranks so changed, its confidences as recorded),
+    the controller learns to trust its first-rank siblings less and drafts fewer of them than it
+    does with the trust pinned at 1; where they are taken as recorded, it keeps trusting them."""
+    chat = next(r for r in load() if r.name == "chat")
+    never = replace(chat, draft_ranks=[0 if rank == 0 else MAX_SIBLINGS + 1 for rank in chat.draft_ranks])
+    learnt = replay(never, vocab, "auto", None, CURVES["gpu"], 0.2, trees=True)
+    recorded = replay(chat, vocab, "auto", None, CURVES["gpu"], 0.2, trees=True)
+    assert learnt.trust["model-sibling1"] < 0.5 < recorded.trust["model-sibling1"]
+    monkeypatch.setattr(SiblingTrust, "trust", property(lambda self: 1.0))
+    pinned = replay(never, vocab, "auto", None, CURVES["gpu"], 0.2, trees=True)
+    assert 0 < learnt.siblings < 0.8 * pinned.siblings
 
 
 def test_the_tree_replay_command_prints_its_table():

@@ -71,6 +71,7 @@ def test_greedy_answers_with_trees_are_llamas(engine, monkeypatch):
     monkeypatch.setattr(engine, "costs", GpuCosts())
     with_trees = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0)
     assert with_trees.stats.tree_rounds > 0 and with_trees.stats.tree_drafted > with_trees.stats.tree_rounds
+    assert 0 <= with_trees.stats.alpha_by_source["model-sibling1"] <= 1  # the share of its siblings taken
     assert_greedy_as_llama("trees", engine, PROMPT, with_trees.tokens, raw=True, limit=LENGTH)
     chains = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, trees=False)
     assert chains.stats.tree_rounds == 0

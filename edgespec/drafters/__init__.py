@@ -8,10 +8,19 @@ model (model.py), the target's own MTP heads (heads.py), copies from source text
 what a grammar forces (grammar.py).
 """
 
-from .base import Draft, Drafter
+from .base import Branching, Draft, Drafter
 from .copy import Conversation, CopyDrafter
 from .grammar import GrammarDrafter
 from .heads import HeadsDrafter
 from .model import ModelDrafter
 
-__all__ = ["Conversation", "CopyDrafter", "Draft", "Drafter", "GrammarDrafter", "HeadsDrafter", "ModelDrafter"]
+__all__ = [
+    "Branching",
+    "Conversation",
+    "CopyDrafter",
+    "Draft",
+    "Drafter",
+    "GrammarDrafter",
+    "HeadsDrafter",
+    "ModelDrafter",
+]

@@ -24,6 +24,9 @@ class Draft:
     # a tree of drafts: tokens[i] follows tokens[parents[i]] (-1: the context), parents before
     # children, siblings in the order they are verified; None: a chain
     parents: list[int] | None = None
+    # where the drafter branched: each node's chance of being taken where its parent is, as the
+    # drafter judged it (the controller learns how far its siblings' chances are to be trusted)
+    chances: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.source = Source(self.source)  # (a drafter of the user's may name it as a string)
@@ -69,14 +72,27 @@ class Drafter(Protocol):
         grammar: what the answer is held to (its grammar, or its token healing) in its
         state after `context` (not to be advanced: clone it to walk ahead); a drafter
         that samples draws from its law (constraint.law), so that min(1, p_g/q_g) stays
-        exact. A drafter whose `branches` attribute is true may also be given branch_cost, and
-        then draft a tree (Draft.parents; see Chain for what it means)."""
+        exact. A drafter whose `branches` attribute is true may also be given `branching` (a
+        Branching), and then draft a tree (Draft.parents, Draft.chances; see Chain)."""
 
     def accept(self, context: list[int]) -> None:
         """A round is over: `context` is the sequence now (the drafts the target kept, and its token)."""
 
 
 MAX_SIBLINGS = 3  # a tree's alternatives to a chain token, at most
+
+
+@dataclass(frozen=True)
+class Branching:
+    """What a tree's shape is chosen by (the controller's, per round): a node is drafted where its
+    chance of being taken beats cost(k), what one more token in a verify pass of k costs (in the
+    plan's tokens: V(k + 1) - V(k) at its rate). A drafter's confidence in its rank-r sibling (1:
+    the next likeliest after the chain's token) is weighed by trust[r - 1]: how often the target
+    took its rank-r siblings against the chances it gave them (Sequoia's acceptance per rank,
+    measured, on EAGLE-2's confidences; 1 before any evidence)."""
+
+    cost: Callable[[int], float]
+    trust: Sequence[float] = (1.0,) * MAX_SIBLINGS
 
 
 @dataclass
@@ -93,9 +109,8 @@ class Chain:
     grammar: Constraint | None
     vocab: Model  # whose end-of-generation tokens end a draft, and whose sampler settings apply
     shared: int  # token ids the target has too: drafts stay within them
-    # a tree: branch_cost(k), what a verify pass of k tokens gains by one more (in the plan's
-    # tokens); a sibling is drafted where its path confidence beats it (None: a chain)
-    branch_cost: Callable[[int], float] | None = None
+    # a tree: a sibling is drafted where its path confidence beats what its place costs (None: a chain)
+    branching: Branching | None = None
 
     def draft(
         self,
@@ -111,6 +126,7 @@ class Chain:
         tokens: list[int] = []
         q_rows: list[Law] | None = None if params.greedy else []  # the laws the tokens were drawn from
         parents: list[int] = []  # (a tree's: see Draft)
+        chances: list[float] = []  # (likewise)
         parent = -1  # the chain's last token
         spine = 0  # the chain's tokens (a tree's siblings aside)
         p_all = 1.0  # the draft's own estimate that every token so far is accepted
@@ -119,7 +135,7 @@ class Chain:
             if params.greedy:
                 token = int(np.argmax(z)) if walk is None else walk.argmax(z)
                 # (without the constraint's mask: a hint is all it needs to be)
-                weights = np.exp(z - z[token]) if stop_below or self.branch_cost is not None else None
+                weights = np.exp(z - z[token]) if stop_below or self.branching is not None else None
                 confidence = 1.0 / weights.sum() if weights is not None else 1.0
             else:
                 vocab = self.vocab
@@ -138,11 +154,12 @@ class Chain:
             at = len(tokens)
             tokens.append(token)
             parents.append(parent)
-            if self.branch_cost is not None:  # where the draft is unsure, its next likeliest tokens too
+            chances.append(confidence)
+            if self.branching is not None:  # where the draft is unsure, its next likeliest tokens too
                 # (greedy: the softmax's likeliest, read from its weights: no law over the vocabulary)
                 sampled = None if params.greedy else q
                 likeliest = _likeliest(None, weights, 1 / confidence) if sampled is None else _likeliest(q.ids, q.probs)
-                self._siblings(likeliest, sampled, token, p_all, parent, tokens, parents, q_rows)
+                self._siblings(likeliest, sampled, token, p_all, parent, tokens, parents, chances, q_rows)
             p_all *= confidence
             parent, spine = at, spine + 1
             if spine == n or self.vocab.is_eog(token):  # nothing useful follows an end of generation
@@ -150,8 +167,9 @@ class Chain:
             if walk is not None:
                 walk.accept(token)
             logits = yield from step(token)
-        chain = all(parent == i - 1 for i, parent in enumerate(parents))
-        return Draft(tokens, q_rows, source=source, parents=None if chain else parents)
+        if all(parent == i - 1 for i, parent in enumerate(parents)):  # a chain
+            return Draft(tokens, q_rows, source=source)
+        return Draft(tokens, q_rows, source=source, parents=parents, chances=chances)
 
     def _siblings(
         self,
@@ -162,18 +180,21 @@ class Chain:
         parent: int,
         tokens: list[int],
         parents: list[int],
+        chances: list[float],
         q_rows: list[Law] | None,
     ) -> None:
         """Siblings of `drawn` (the chain's token after `parent`), where the draft is unsure
         (EAGLE-2): as many as its next likeliest tokens (`likeliest`: (token, probability), the
-        likeliest first) whose path confidence p_all·q(t) beats what one more verified token
-        costs (branch_cost). The count is read from the law alone, before drawing: greedy, the
-        siblings are those tokens; sampled, draws from q without the tokens drawn before, each
-        kept with the law it came from (as verify_tree needs)."""
+        likeliest first) whose path confidence p_all·q(t), weighed by the trust learnt for its
+        rank, beats what one more verified token costs. The count is read from the law alone,
+        before drawing: greedy, the siblings are those tokens; sampled, draws from q without the
+        tokens drawn before, each kept with the law it came from (as verify_tree needs)."""
+        branching = self.branching
         candidates = [(token, prob) for token, prob in likeliest if token != drawn][:MAX_SIBLINGS]
-        count, room = 0, TREE_BRANCHES + 1 - leaves(parents)  # the branches a pass has left (a sibling is one more)
-        for _, prob in candidates[:room]:
-            if p_all * prob < self.branch_cost(len(tokens) + count + 1):
+        room = TREE_BRANCHES + 1 - leaves(parents)  # the branches a pass has left (a sibling is one more)
+        count = 0
+        for rank, (_, prob) in enumerate(candidates[:room], start=1):
+            if p_all * prob * branching.trust[rank - 1] < branching.cost(len(tokens) + count + 1):
                 break
             count += 1
         if q is None:
@@ -188,6 +209,7 @@ class Chain:
                 q_rows.append(rest)
         tokens += siblings
         parents += [parent] * len(siblings)
+        chances += [prob for _, prob in candidates[: len(siblings)]]  # (sampled: the rank's, as judged before drawing)
 
 
 def _likeliest(ids: np.ndarray | None, weights: np.ndarray, total: float = 1.0) -> list[tuple[int, float]]:

@@ -43,7 +43,7 @@ class HeadsDrafter:
 
     model: Model | None = None  # no model of its own: its step is priced apart (MachineCosts.draft_step)
     source = Source.HEADS
-    branches = True  # it drafts trees where it is unsure (Chain.branch_cost): its next likeliest tokens
+    branches = True  # it drafts trees where it is unsure (Chain.branching): its next likeliest tokens
 
     def __init__(self, heads: Heads) -> None:
         self.heads = heads
@@ -58,7 +58,7 @@ class HeadsDrafter:
     def accept(self, context: list[int]) -> None:
         """Nothing to do: the next draft cuts this one's positions before writing the context's."""
 
-    def draft(self, context, n, params, rng, stop_below=(), grammar=None, branch_cost=None) -> Draft:
+    def draft(self, context, n, params, rng, stop_below=(), grammar=None, branching=None) -> Draft:
         first = self._write(context)
         if first is None:  # the target's hidden states before the context's end are gone (a restored prompt)
             return Draft([], None, source=Source.HEADS)
@@ -71,7 +71,7 @@ class HeadsDrafter:
             return logits
             yield  # (never reached: the layers' reads are not handed out to be decoded with others)
 
-        chain = Chain(params, rng, stop_below, grammar, self.target, self.target.n_vocab, branch_cost)
+        chain = Chain(params, rng, stop_below, grammar, self.target, self.target.n_vocab, branching)
         return decoded_alone(chain.draft(logits, n, step, Source.HEADS))
 
     def _write(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray] | None:

@@ -18,7 +18,7 @@ class ModelDrafter:
     draft decode them alone."""
 
     source = Source.MODEL
-    branches = True  # it drafts trees where it is unsure (Chain.branch_cost)
+    branches = True  # it drafts trees where it is unsure (Chain.branching)
 
     def __init__(self, model: Model, target_vocab: int) -> None:
         self.model = model
@@ -39,18 +39,18 @@ class ModelDrafter:
         """Drop the rejected drafts from the cache (the tokens the target added are read at the next draft)."""
         self.model.sync(context)
 
-    def draft(self, context, n, params, rng, stop_below=(), grammar=None, branch_cost=None) -> Draft:
-        return decoded_alone(self.draft_steps(context, n, params, rng, stop_below, grammar, branch_cost))
+    def draft(self, context, n, params, rng, stop_below=(), grammar=None, branching=None) -> Draft:
+        return decoded_alone(self.draft_steps(context, n, params, rng, stop_below, grammar, branching))
 
     def draft_steps(
-        self, context, n, params, rng, stop_below=(), grammar=None, branch_cost=None
+        self, context, n, params, rng, stop_below=(), grammar=None, branching=None
     ) -> Generator[Pass, None, Draft]:
-        """draft(), its passes handed out; branch_cost: a tree's (see Chain), None for a chain."""
+        """draft(), its passes handed out; branching: a tree's (see Chain), None for a chain."""
         model = self.model
         logits = yield from self._pass(context[len(model.tokens) :])  # the tokens written since its last draft
         model.checkpoint()  # a recurrent state: the next round's sync comes back here
         shared = min(model.n_vocab, self.target_vocab)
-        chain = Chain(params, rng, stop_below, grammar, model, shared, branch_cost)
+        chain = Chain(params, rng, stop_below, grammar, model, shared, branching)
         return (yield from chain.draft(logits, n, lambda token: self._pass([token]), Source.MODEL))
 
     def _pass(self, tokens: list[int]) -> Generator[Pass, None, np.ndarray]:
