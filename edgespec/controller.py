@@ -427,7 +427,8 @@ class Controller:
                 # target's token beats what one more token in the pass costs at this rate (where V
                 # is steep, a CPU's, that is a large part of a step: the chain stays a chain)
                 trust = [self.siblings.get(SiblingKey(self.model_key, r), SiblingTrust()).trust for r in RANKS]
-                tree = {"branching": Branching(self._branch_cost(plan), trust)}
+                draft_pass = self.costs.draft_pass
+                tree = {"branching": Branching(self._branch_cost(plan), trust, lambda k: plan.rate * draft_pass(k))}
         if isinstance(drafter, ModelDrafter):  # its passes handed out
             return (yield from drafter.draft_steps(context, plan.gamma, params, rng, stop_below, grammar, **tree))
         return drafter.draft(context, plan.gamma, params, rng, stop_below, grammar=grammar, **tree)
@@ -460,7 +461,7 @@ class Controller:
         if draft.tokens and not source.free:  # free drafts learn from every token (below)
             self.acceptance_of(plan.key).observe(n_accepted, draft.depth)  # (a tree's: along its chain)
         if self.adaptive:  # (by the plan's source: the heads are priced in the draft model's place)
-            costs.observe(plan.source, len(draft.tokens), n_accepted, timing, draft.depth)
+            costs.observe(plan.source, len(draft.tokens), n_accepted, timing, draft.depth + draft.grown)
         for drafter in self.drafters.values():
             drafter.accept(context)
         if copy := self.drafters.get(Source.COPY):

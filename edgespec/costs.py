@@ -161,7 +161,11 @@ class RoundCosts:
 
     def draft_step(self) -> float:
         """One draft-model step (0: no draft model's cost known)."""
-        return self._draft(1) if self._draft is not None else 0.0
+        return self.draft_pass(1)
+
+    def draft_pass(self, k: int) -> float:
+        """Seconds of one pass of the draft model over k tokens (a tree read again: Chain._grow)."""
+        return self._draft(k) if self._draft is not None else 0.0
 
     def in_batch(self, k: int) -> float:
         """A pass over k tokens of this request, decoded with the passes beside it: the whole decode,
@@ -247,7 +251,8 @@ class RoundCosts:
         self, source: Source, drafted: int, accepted: int, timing: RoundTiming, steps: int | None = None
     ) -> None:
         """A finished round: `drafted` tokens from `source`, `accepted` kept, took `timing`; steps:
-        the draft model's (a tree's siblings come free with its chain's: its depth), default drafted."""
+        the draft model's (a tree's siblings come free with its chain's: its depth, and the passes that
+        grew branches below them), default drafted."""
         steps = drafted if steps is None else steps
         for live in self.live.values():
             live.decay()

@@ -10,7 +10,9 @@ from conftest import FixedCurve, GpuCosts
 from reference import assert_first_token_law, assert_greedy_as_llama, reference_for
 
 from edgespec import Engine, Model, ModelDrafter, calibration
+from edgespec.drafters import Branching
 from edgespec.model import Pass
+from edgespec.sampling import SamplingParams
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 LENGTH = 48
@@ -76,6 +78,39 @@ def test_greedy_answers_with_trees_are_llamas(engine, monkeypatch):
     chains = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, trees=False)
     assert chains.stats.tree_rounds == 0
     assert chains.tokens == with_trees.tokens
+
+
+def test_the_draft_model_grows_branches_below_its_siblings(engine):
+    """Where its siblings are likely enough, the draft model reads the whole tree in one pass a
+    level and drafts below them: each node's first child is the draft model's argmax after the
+    node's own branch, as Llama computes it from the draft's file; its other children its next
+    likeliest; no branch is deeper than the chain."""
+    drafter, draft_model = engine.drafter, engine.draft_model
+    context = draft_model.text_tokens(PROMPT)
+    drafter.begin(context)
+    branching = Branching(lambda k: 0.02, pass_cost=lambda k: 0.0)  # any node of a 2% chance, any pass
+    draft = drafter.draft(context, 4, SamplingParams(temperature=0), np.random.default_rng(0), branching=branching)
+    drafter.accept(context)
+    chain = [0]
+    while (child := next((i for i, p in enumerate(draft.parents) if p == chain[-1]), None)) is not None:
+        chain.append(child)
+    below = [i for i, parent in enumerate(draft.parents) if parent >= 0 and parent not in chain]
+    assert draft.grown > 0 and below and draft.depth == len(chain) <= 4
+
+    llm = reference_for(draft_model).llm
+
+    def branch(node: int) -> list[int]:
+        return [] if node < 0 else branch(draft.parents[node]) + [draft.tokens[node]]
+
+    for parent in sorted(set(draft.parents)):
+        children = [draft.tokens[i] for i, p in enumerate(draft.parents) if p == parent]
+        llm.reset()
+        llm.eval(context + branch(parent))
+        row = np.array(llm.scores[llm.n_tokens - 1])
+        likeliest = np.argsort(-row)[: len(children)]
+        # (the draft model's pass over a tree rounds as a chain's does within this model's noise)
+        assert row[children].min() >= row[likeliest].min() - 0.05, (parent, children, likeliest)
+        assert row[children[0]] >= row.max() - 0.05
 
 
 def test_the_shape_follows_the_machines_costs(engine, monkeypatch):

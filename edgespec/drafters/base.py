@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -27,6 +27,7 @@ class Draft:
     # where the drafter branched: each node's chance of being taken where its parent is, as the
     # drafter judged it (the controller learns how far its siblings' chances are to be trusted)
     chances: list[float] | None = None
+    grown: int = 0  # the drafter's passes that grew branches below its siblings (beside its chain's steps)
 
     def __post_init__(self) -> None:
         self.source = Source(self.source)  # (a drafter of the user's may name it as a string)
@@ -80,6 +81,8 @@ class Drafter(Protocol):
 
 
 MAX_SIBLINGS = 3  # a tree's alternatives to a chain token, at most
+# a drafter's rows after the context's last token and after each node of a tree (tokens, parents), in one pass
+TreeRows = Callable[[list[int], list[int]], Generator[Pass, None, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,61 @@ class Branching:
 
     cost: Callable[[int], float]
     trust: Sequence[float] = (1.0,) * MAX_SIBLINGS
+    # what a pass of the drafter over k tokens costs, in the plan's tokens (see Chain._grow; None: none is made)
+    pass_cost: Callable[[int], float] | None = None
+
+
+@dataclass
+class Nodes:
+    """A draft as it is made (see Draft): per node its token, parent, own chance (of being taken
+    where its parent is), path chance (the drafter's estimate that it is reached and taken), depth
+    (1: after the context), and, sampled, the law it was drawn from."""
+
+    q_rows: list[Law] | None  # None: greedy
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    chances: list[float] = field(default_factory=list)
+    paths: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+
+    def add(self, token: int, parent: int, chance: float, path: float, q: Law | None) -> int:
+        """Node `token` after `parent`; its index."""
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.chances.append(chance)
+        self.paths.append(path)
+        self.depths.append(self.depth(parent) + 1)
+        if self.q_rows is not None:
+            self.q_rows.append(q)
+        return len(self.tokens) - 1
+
+    def path(self, node: int) -> float:
+        return 1.0 if node < 0 else self.paths[node]
+
+    def depth(self, node: int) -> int:
+        return 0 if node < 0 else self.depths[node]
+
+    def draft(self, source: Source, grown: int) -> Draft:
+        if all(parent == i - 1 for i, parent in enumerate(self.parents)):  # a chain
+            return Draft(self.tokens, self.q_rows, source=source)
+        return Draft(self.tokens, self.q_rows, source, self.parents, self.chances, grown)
+
+
+@dataclass
+class Read:
+    """What a drafter's logits after a node say: greedy, the likeliest token (and, where a hint
+    is wanted, every token's weight against it); sampled, the law to draw from; the confidence."""
+
+    token: int | None
+    confidence: float
+    q: Law | None = None
+    weights: np.ndarray | None = None
+
+    def likeliest(self) -> list[tuple[int, float]]:
+        """(greedy: the softmax's likeliest, read from its weights: no law over the vocabulary)"""
+        if self.q is None:
+            return _likeliest(None, self.weights, 1 / self.confidence)
+        return _likeliest(self.q.ids, self.q.probs)
 
 
 @dataclass
@@ -101,7 +159,9 @@ class Chain:
     target's own heads share. Greedy, each step's argmax; sampled, a draw from its law q (kept
     for the acceptance test); under a constraint, both from its law (constraint.law), so that
     min(1, p_g/q_g) stays exact. Stops where the drafter's confidence falls below stop_below
-    (see Drafter.draft), at an end of generation, or after n tokens."""
+    (see Drafter.draft), at an end of generation, or after n tokens. Given branching, a tree:
+    siblings beside the chain's tokens, and where the drafter reads a tree in one pass, branches
+    grown below them (see draft)."""
 
     params: SamplingParams
     rng: np.random.Generator
@@ -118,98 +178,101 @@ class Chain:
         n: int,
         step: Callable[[int], Generator[Pass, None, np.ndarray]],
         source: Source,
+        tree_rows: TreeRows | None = None,
     ) -> Generator[Pass, None, Draft]:
         """The chain from `logits` (of the token after the context); step(token) gives the logits
-        after `token` (its passes handed out)."""
-        params, stop_below, shared = self.params, self.stop_below, self.shared
+        after `token` (its passes handed out). tree_rows(tokens, parents): the drafter's rows after
+        the context's last token and after each node of a tree, in one pass (None: siblings stay
+        leaves)."""
+        stop_below = self.stop_below
         walk = self.grammar.clone() if self.grammar is not None else None  # the constraint along this draft
-        tokens: list[int] = []
-        q_rows: list[Law] | None = None if params.greedy else []  # the laws the tokens were drawn from
-        parents: list[int] = []  # (a tree's: see Draft)
-        chances: list[float] = []  # (likewise)
-        parent = -1  # the chain's last token
-        spine = 0  # the chain's tokens (a tree's siblings aside)
-        p_all = 1.0  # the draft's own estimate that every token so far is accepted
+        nodes = Nodes(None if self.params.greedy else [])
+        node, chain = -1, []  # the chain's last token, and all its tokens (a tree's siblings aside)
         while True:
-            z = logits[:shared]
-            if params.greedy:
-                token = int(np.argmax(z)) if walk is None else walk.argmax(z)
-                # (without the constraint's mask: a hint is all it needs to be)
-                weights = np.exp(z - z[token]) if stop_below or self.branching is not None else None
-                confidence = 1.0 / weights.sum() if weights is not None else 1.0
-            else:
-                vocab = self.vocab
-                q = law(z, params, vocab) if walk is None else walk.law(z, params, vocab)
-                # the law's top probability, as for greedy, and never the drawn token's q(x): a
-                # token kept or dropped by what was drawn is no longer drawn from q, and the answer
-                # leaves the target's law (measured on the Qwen pair at temperature 0.6-1: the
-                # expected acceptance sum(min(p, q)) was within 0.15 of max q; q(x) underestimates
-                # it, 0.35-0.56 for tokens of q(x) 0.01-0.2)
-                confidence = float(q.probs.max())
-            if spine < len(stop_below) and p_all * confidence < stop_below[spine]:
+            read = self._read(logits, walk, bool(stop_below) or self.branching is not None)
+            depth = nodes.depth(node)
+            if depth < len(stop_below) and nodes.path(node) * read.confidence < stop_below[depth]:
                 break  # not worth verifying: stop (its draft step is already paid)
-            if not params.greedy:
-                q_rows.append(q)
-                token = q.sample(self.rng.random())
-            at = len(tokens)
-            tokens.append(token)
-            parents.append(parent)
-            chances.append(confidence)
-            if self.branching is not None:  # where the draft is unsure, its next likeliest tokens too
-                # (greedy: the softmax's likeliest, read from its weights: no law over the vocabulary)
-                sampled = None if params.greedy else q
-                likeliest = _likeliest(None, weights, 1 / confidence) if sampled is None else _likeliest(q.ids, q.probs)
-                self._siblings(likeliest, sampled, token, p_all, parent, tokens, parents, chances, q_rows)
-            p_all *= confidence
-            parent, spine = at, spine + 1
-            if spine == n or self.vocab.is_eog(token):  # nothing useful follows an end of generation
+            node = self._take(read, node, nodes)
+            chain.append(node)
+            token = nodes.tokens[node]
+            if depth + 1 == n or self.vocab.is_eog(token):  # nothing useful follows an end of generation
                 break
             if walk is not None:
                 walk.accept(token)
             logits = yield from step(token)
-        if all(parent == i - 1 for i, parent in enumerate(parents)):  # a chain
-            return Draft(tokens, q_rows, source=source)
-        return Draft(tokens, q_rows, source=source, parents=parents, chances=chances)
+        grown = 0
+        if tree_rows is not None and self.branching is not None and self.branching.pass_cost is not None:
+            grown = yield from self._grow(nodes, tree_rows, set(chain))
+        return nodes.draft(source, grown)
 
-    def _siblings(
-        self,
-        likeliest: list[tuple[int, float]],
-        q: Law | None,
-        drawn: int,
-        p_all: float,
-        parent: int,
-        tokens: list[int],
-        parents: list[int],
-        chances: list[float],
-        q_rows: list[Law] | None,
-    ) -> None:
-        """Siblings of `drawn` (the chain's token after `parent`), where the draft is unsure
-        (EAGLE-2): as many as its next likeliest tokens (`likeliest`: (token, probability), the
-        likeliest first) whose path confidence p_all·q(t), weighed by the trust learnt for its
-        rank, beats what one more verified token costs. The count is read from the law alone,
-        before drawing: greedy, the siblings are those tokens; sampled, draws from q without the
-        tokens drawn before, each kept with the law it came from (as verify_tree needs)."""
-        branching = self.branching
-        candidates = [(token, prob) for token, prob in likeliest if token != drawn][:MAX_SIBLINGS]
-        room = TREE_BRANCHES + 1 - leaves(parents)  # the branches a pass has left (a sibling is one more)
+    def _read(self, logits: np.ndarray, walk: Constraint | None, weigh: bool) -> Read:
+        z = logits[: self.shared]
+        if self.params.greedy:
+            token = int(np.argmax(z)) if walk is None else walk.argmax(z)
+            # (without the constraint's mask: a hint is all it needs to be)
+            weights = np.exp(z - z[token]) if weigh else None
+            return Read(token, 1.0 / weights.sum() if weights is not None else 1.0, weights=weights)
+        q = law(z, self.params, self.vocab) if walk is None else walk.law(z, self.params, self.vocab)
+        # the law's top probability, as for greedy, and never the drawn token's q(x): a token
+        # kept or dropped by what was drawn is no longer drawn from q, and the answer leaves the
+        # target's law (measured on the Qwen pair at temperature 0.6-1: the expected acceptance
+        # sum(min(p, q)) was within 0.15 of max q; q(x) underestimates it, 0.35-0.56 for tokens
+        # of q(x) 0.01-0.2)
+        return Read(None, float(q.probs.max()), q)
+
+    def _take(self, read: Read, parent: int, nodes: Nodes) -> int:
+        """The node `read` gives after `parent` (sampled: drawn now), and, branching, its siblings
+        where they pay; the node's index."""
+        token = read.token if read.q is None else read.q.sample(self.rng.random())
+        path = nodes.path(parent)
+        node = nodes.add(token, parent, read.confidence, path * read.confidence, read.q)
+        if self.branching is not None:  # where the draft is unsure, its next likeliest tokens too
+            self._siblings(read, token, parent, nodes)
+        return node
+
+    def _siblings(self, read: Read, drawn: int, parent: int, nodes: Nodes) -> None:
+        """Siblings of `drawn` (the token after `parent`), where the draft is unsure (EAGLE-2):
+        as many as its next likeliest tokens whose path confidence (the parent's, times q(t)),
+        weighed by the trust learnt for its rank, beats what one more verified token costs. The
+        count is read from the law alone, before drawing: greedy, the siblings are those tokens;
+        sampled, draws from q without the tokens drawn before, each kept with the law it came
+        from (as verify_tree needs)."""
+        branching, path = self.branching, nodes.path(parent)
+        candidates = [(token, prob) for token, prob in read.likeliest() if token != drawn][:MAX_SIBLINGS]
+        room = TREE_BRANCHES + 1 - leaves(nodes.parents)  # the branches a pass has left (a sibling is one more)
+        chances = [path * prob * trust for (_, prob), trust in zip(candidates[:room], branching.trust, strict=False)]
         count = 0
-        for rank, (_, prob) in enumerate(candidates[:room], start=1):
-            if p_all * prob * branching.trust[rank - 1] < branching.cost(len(tokens) + count + 1):
-                break
+        while count < len(chances) and chances[count] >= branching.cost(len(nodes.tokens) + count + 1):
             count += 1
-        if q is None:
-            siblings = [token for token, _ in candidates[:count]]
-        else:
-            siblings, rest = [], q
-            for _ in range(count):
+        rest = read.q
+        for (token, prob), chance in zip(candidates[:count], chances, strict=False):
+            if rest is not None:  # sampled: (the rank's chance, as judged before drawing)
                 if (rest := without(rest, drawn)) is None:
                     break
-                drawn = rest.sample(self.rng.random())
-                siblings.append(drawn)
-                q_rows.append(rest)
-        tokens += siblings
-        parents += [parent] * len(siblings)
-        chances += [prob for _, prob in candidates[: len(siblings)]]  # (sampled: the rank's, as judged before drawing)
+                token = drawn = rest.sample(self.rng.random())
+            nodes.add(token, parent, prob, chance, rest)
+
+    def _grow(self, nodes: Nodes, tree_rows: TreeRows, chain: set[int]) -> Generator[Pass, None, int]:
+        """Branches below the siblings, a level a pass of the drafter over the whole tree: each
+        frontier node's next token (and its siblings) where its path chance beats its place in
+        the verify pass, no deeper than the chain; a pass is made while the frontier's path
+        chances outweigh what it costs (branching.pass_cost). Returns the passes."""
+        depth = len(chain)
+        frontier = [i for i in range(len(nodes.tokens)) if i not in chain and not self.vocab.is_eog(nodes.tokens[i])]
+        passes = 0
+        while frontier := [f for f in frontier if nodes.depths[f] < depth]:
+            if sum(nodes.paths[f] for f in frontier) < self.branching.pass_cost(1 + len(nodes.tokens)):
+                break
+            rows = yield from tree_rows(nodes.tokens, nodes.parents)
+            passes += 1
+            grown = len(nodes.tokens)
+            for f in frontier:
+                read = self._read(rows[f + 1], None, weigh=True)
+                if nodes.paths[f] * read.confidence >= self.branching.cost(len(nodes.tokens) + 1):
+                    self._take(read, f, nodes)
+            frontier = [i for i in range(grown, len(nodes.tokens)) if not self.vocab.is_eog(nodes.tokens[i])]
+        return passes
 
 
 def _likeliest(ids: np.ndarray | None, weights: np.ndarray, total: float = 1.0) -> list[tuple[int, float]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator
+from functools import partial
 
 import numpy as np
 
@@ -51,7 +52,21 @@ class ModelDrafter:
         model.checkpoint()  # a recurrent state: the next round's sync comes back here
         shared = min(model.n_vocab, self.target_vocab)
         chain = Chain(params, rng, stop_below, grammar, model, shared, branching)
-        return (yield from chain.draft(logits, n, lambda token: self._pass([token]), Source.MODEL))
+        tree_rows = partial(self._tree_rows, context) if branching is not None and model.can_branch else None
+        return (yield from chain.draft(logits, n, lambda token: self._pass([token]), Source.MODEL, tree_rows))
+
+    def _tree_rows(self, context, tokens: list[int], parents: list[int]) -> Generator[Pass, None, np.ndarray]:
+        """Its rows after the context's last token and after each node of a tree (see Pass.parents),
+        in one pass handed out: the tree is read again from that token, each node after its own
+        branch; the cache is left holding the context."""
+        model = self.model
+        model.cut(len(context) - 1)
+        one = Pass(model.seq, [context[-1], *tokens], len(tokens) + 1, model=model, parents=parents)
+        yield one
+        model.use(one.seq)
+        rows = np.array(one.result())  # (keep() leaves llama.cpp's buffer as it is, a later pass does not)
+        model.keep([])
+        return rows
 
     def _pass(self, tokens: list[int]) -> Generator[Pass, None, np.ndarray]:
         """A pass of the draft model over `tokens` in its sequence, handed out to be decoded; its
