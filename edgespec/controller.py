@@ -456,7 +456,7 @@ class Controller:
             self.predicted.steps += seconds / costs.plain_step()
         for learnt in [*self.acceptance.values(), *self.siblings.values()]:
             learnt.decay()
-        if draft.chances is not None:
+        if draft.chances is not None and path is not None:
             self._observe_siblings(draft, path)
         if draft.tokens and not source.free:  # free drafts learn from every token (below)
             self.acceptance_of(plan.key).observe(n_accepted, draft.depth)  # (a tree's: along its chain)
