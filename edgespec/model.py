@@ -447,14 +447,17 @@ class Model(Tokenizer):
         """After a decode: the hidden states of its tokens index..index+count-1, which the
         sequence holds at its last `count` positions."""
         if self.hidden_width:
-            self._add_hidden(state, HiddenStates(len(state.tokens) - count, [self._hidden_rows(index + count)[index:]]))
+            self._add_hidden(
+                state, HiddenStates(len(state.tokens) - count, [self._hidden_rows(index + count)[index:].copy()])
+            )
 
     def _hidden_rows(self, count: int) -> np.ndarray:
-        """The hidden states of the last decode's first `count` tokens (a copy)."""
+        """The hidden states of the last decode's first `count` tokens (a view into llama.cpp's
+        buffer, valid until the next decode)."""
         states = llama_ext.llama_get_embeddings_nextn(self._ctx)
         if not states:
             raise EdgespecError(f"llama.cpp kept no hidden states of {self.path.name}; use --no-draft")
-        return np.ctypeslib.as_array(states, shape=(count, self.hidden_width)).copy()
+        return np.ctypeslib.as_array(states, shape=(count, self.hidden_width))
 
     @staticmethod
     def _add_hidden(state: SequenceState, newer: HiddenStates) -> None:

@@ -64,7 +64,7 @@ class ModelDrafter:
         one = Pass(model.seq, [context[-1], *tokens], len(tokens) + 1, model=model, parents=parents)
         yield one
         model.use(one.seq)
-        rows = np.array(one.result())  # (keep() leaves llama.cpp's buffer as it is, a later pass does not)
+        rows = one.result()
         model.keep([])
         return rows
 
