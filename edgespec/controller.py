@@ -23,7 +23,7 @@ decays toward the prior, so a drafter switched off for losing is tried again lat
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -96,9 +96,10 @@ AcceptanceKey = Source | CopyKey  # whose acceptance rate: MODEL, GRAMMAR, or a 
 
 @dataclass(frozen=True)
 class SiblingKey:
-    """A drafter's siblings of one rank in a tree (1: its next likeliest token after the chain's)."""
+    """A drafter's siblings of one rank in a tree (1: its next likeliest token after the chain's;
+    a copy's: its likeliest alternative after the copied text)."""
 
-    source: Source  # MODEL or HEADS
+    source: Source  # MODEL, HEADS, COPY or PREDICTION
     rank: int
 
     def __str__(self) -> str:  # as Stats.alpha_by_source names their share taken: "model-sibling1", ...
@@ -337,7 +338,7 @@ class Controller:
             plan = Plan(self._acceptance(key).alpha, draft.source, n, key=key)
         plan.draft = Draft(draft.tokens[: plan.gamma], None, source=draft.source)
         if alternatives:
-            tree, gain = branched(plan.draft, alternatives, plan.alpha, self._branch_cost(plan))
+            tree, gain = branched(plan.draft, alternatives, plan.alpha, self._branching(plan, draft.source))
             if tree.parents is not None:  # E[n] grows by each node's chance, the pass by its tokens
                 costs, gamma, alpha = self.costs, plan.gamma, plan.alpha
                 seconds = costs.expected(plan.source, gamma, alpha) + costs.in_batch(len(tree.tokens) + 1)
@@ -394,11 +395,13 @@ class Controller:
             return NO_DRAFT
         return replace(max(candidates, key=lambda p: p.rate), forced=forced_text, rng_state=rng_state)
 
-    def _branch_cost(self, plan: Plan):
-        """What one more token in a pass of k costs, in the tokens `plan` would make in that time
-        (a tree's node is worth verifying where its chance of being taken beats it), at least MIN_NODE_CHANCE."""
+    def _branching(self, plan: Plan, source: Source, pass_cost: Callable[[int], float] | None = None) -> Branching:
+        """What `plan`'s tree is shaped by: one more token in a pass of k costs what `plan` would make
+        in that time (a node is worth verifying where its chance of being taken beats it, and at
+        least MIN_NODE_CHANCE); `source`'s siblings are trusted per rank as learnt."""
         verify = self.costs.in_batch
-        return lambda k: max(plan.rate * (verify(k + 1) - verify(k)), MIN_NODE_CHANCE)
+        trust = [self.siblings.get(SiblingKey(source, rank), SiblingTrust()).trust for rank in RANKS]
+        return Branching(lambda k: max(plan.rate * (verify(k + 1) - verify(k)), MIN_NODE_CHANCE), trust, pass_cost)
 
     def draft(
         self,
@@ -426,9 +429,8 @@ class Controller:
                 # the shape from the machine: a sibling is verified where its chance of being the
                 # target's token beats what one more token in the pass costs at this rate (where V
                 # is steep, a CPU's, that is a large part of a step: the chain stays a chain)
-                trust = [self.siblings.get(SiblingKey(self.model_key, r), SiblingTrust()).trust for r in RANKS]
                 draft_pass = self.costs.draft_pass
-                tree = {"branching": Branching(self._branch_cost(plan), trust, lambda k: plan.rate * draft_pass(k))}
+                tree = {"branching": self._branching(plan, self.model_key, lambda k: plan.rate * draft_pass(k))}
         if isinstance(drafter, ModelDrafter):  # its passes handed out
             return (yield from drafter.draft_steps(context, plan.gamma, params, rng, stop_below, grammar, **tree))
         return drafter.draft(context, plan.gamma, params, rng, stop_below, grammar=grammar, **tree)

@@ -10,7 +10,8 @@ from conftest import FixedCurve, GpuCosts
 from reference import assert_first_token_law, assert_greedy_as_llama, reference_for
 
 from edgespec import Engine, Model, ModelDrafter, calibration
-from edgespec.drafters import Branching
+from edgespec.drafters import Branching, Draft
+from edgespec.drafters.copy import Alternative, branched
 from edgespec.model import Pass
 from edgespec.sampling import SamplingParams
 
@@ -153,11 +154,26 @@ def test_copies_branch_where_the_text_went_on_otherwise(copier, monkeypatch):
     monkeypatch.setattr(copier, "costs", GpuCosts())
     flat = copier.generate(CALLS, raw=True, max_tokens=LENGTH, temperature=0)
     assert flat.stats.tree_rounds > 0
+    assert 0 <= flat.stats.alpha_by_source["copy-sibling1"] <= 1  # the share of its branches taken
     assert_greedy_as_llama("copy trees", copier, CALLS, flat.tokens, raw=True, limit=LENGTH)
     monkeypatch.setattr(copier, "costs", SteepCosts())
     steep = copier.generate(CALLS, raw=True, max_tokens=LENGTH, temperature=0)
     assert steep.stats.rounds_by_source.get("copy", 0) > 0 and steep.stats.tree_rounds == 0
     assert steep.tokens == flat.tokens
+
+
+def test_a_copys_branch_is_weighed_by_the_trust_learnt_for_its_rank():
+    """A copy's alternative is grafted where its chance of being taken (its share, at most the
+    copy's 1 - α, weighed by its rank's trust) beats its place in the pass; the text after it
+    is copied text again (α). The chances kept for learning are as judged, without the trust."""
+    chain, other = Draft([1, 2, 3, 4], None, source="copy"), Alternative([1, 5, 6, 7], share=0.4)
+    tree, gain = branched(chain, [other], alpha=0.8, branching=Branching(lambda k: 0.1))
+    assert tree.tokens == [1, 2, 3, 4, 5, 6, 7] and tree.parents == [-1, 0, 1, 2, 0, 4, 5]
+    assert tree.chances == pytest.approx([0.8, 0.8, 0.8, 0.8, 0.2, 0.8, 0.8])
+    assert gain == pytest.approx(0.8 * 0.2 * (1 + 0.8 + 0.8**2))  # each node's chance of being reached and taken
+    distrusted = Branching(lambda k: 0.1, trust=(0.5, 1.0, 1.0))
+    tree, gain = branched(chain, [other], alpha=0.8, branching=distrusted)
+    assert tree.parents is None and gain == 0
 
 
 def test_seeded_answers_are_the_same_with_copy_trees(copier, monkeypatch):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..model import TREE_BRANCHES, Model
 from ..modes import Source
-from .base import Draft, leaves
+from .base import Branching, Draft, leaves
 
 CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
 SOURCE_NAMES = (Source.COPY, Source.PREDICTION)  # what a copy draft reports as its source, per source
@@ -428,37 +428,42 @@ class CopyDrafter:
                 return
 
 
-def branched(
-    draft: Draft, alternatives: list[Alternative], alpha: float, branch_cost: Callable[[int], float]
-) -> tuple[Draft, float]:
+def branched(draft: Draft, alternatives: list[Alternative], alpha: float, branching: Branching) -> tuple[Draft, float]:
     """A copy `draft` (a chain) grown into a tree by the alternatives, each grafted where it
     parts from what the tree holds, no deeper than the draft. A node is added while its chance
-    of being reached and taken (α per token copied; where it parts, the alternative's share,
-    but no more than the copy's 1 - α) beats what one more token in the verify pass costs
-    (branch_cost(k), the pass's k tokens); a pass verifies TREE_BRANCHES + 1 branches at most.
+    of being reached and taken beats what one more token in the verify pass costs
+    (branching.cost(k), the pass's k tokens); a pass verifies TREE_BRANCHES + 1 branches at most.
+    A node is taken where its parent is with chance α, a copied token; where it parts, the
+    alternative's share, but no more than the copy's 1 - α, weighed by the trust learnt for its
+    rank (how often the target took such siblings against those chances: Draft.chances).
     Returns the tree (a chain where nothing was worth adding) and the tokens it adds to a
     round's expected yield, its nodes' chances."""
     tokens, parents = list(draft.tokens), list(range(-1, len(draft.tokens) - 1))
+    chances = [alpha] * len(tokens)  # each node's, of being taken where its parent is (as judged, untrusted)
+    trusted = list(chances)  # ... weighed by its rank's trust (what the shape is chosen by)
     nodes = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens, strict=True))}
     gain = 0.0
     for alternative in alternatives:
-        node, chance, parted = -1, 1.0, False  # chance: of the round reaching the next token
+        node, reached = -1, 1.0  # reached: the round's chance of reaching the next token
         for token in alternative.tokens[: len(draft.tokens)]:
             if (child := nodes.get((node, token))) is None:
-                # where it parts from the tree: taken only where the copy is not, and in its share
-                chance *= 1.0 if parted else min(alternative.share, 1.0 - alpha) / alpha
-                parted = True
-                new_branch = node in parents  # (else it lengthens a branch)
-                if chance < branch_cost(len(tokens) + 1) or (new_branch and leaves(parents) > TREE_BRANCHES):
+                rank = parents.count(node)  # its parent's children so far (0: it lengthens a branch)
+                chance = min(alternative.share, 1.0 - alpha) if rank else alpha
+                trust = branching.trust[min(rank, len(branching.trust)) - 1] if rank else 1.0
+                taken = reached * min(chance * trust, 1.0)
+                if taken < branching.cost(len(tokens) + 1) or (rank and leaves(parents) > TREE_BRANCHES):
                     break
                 child = nodes[node, token] = len(tokens)
                 tokens.append(token)
                 parents.append(node)
-                gain += chance
-            chance *= alpha
+                chances.append(chance)
+                trusted.append(min(chance * trust, 1.0))
+                gain += taken
+            reached *= trusted[child]
             node = child
-    tree = len(tokens) > len(draft.tokens)
-    return Draft(tokens, None, source=draft.source, parents=parents if tree else None), gain
+    if len(tokens) == len(draft.tokens):
+        return Draft(tokens, None, source=draft.source), gain
+    return Draft(tokens, None, source=draft.source, parents=parents, chances=chances), gain
 
 
 def _without_common_ends(old: str, new: str) -> tuple[str, str]:
