@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from functools import partial
 
 import pytest
 
+from edgespec import bench
 from edgespec.cli import main
 from edgespec.registry import load_registry
 
@@ -275,3 +277,16 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
         timeout=300,
     )
     assert "Traceback" not in done.stderr and len(done.stdout) == 20
+
+
+def test_bench_runs_each_mode_in_every_place_of_the_order(self_engine):
+    """`edgespec bench` rotates the order of the modes between repeats: over as many repeats as
+    modes, each has run first, second and third once (a mode kept in the middle reads slower)."""
+    lines: list[str] = []
+    modes = ["off", "auto", bench.CHAINS]
+    request_of = partial(bench._request, prompt={"text": "Hello"}, raw=True, max_tokens=2, gamma=3)
+    bench.run_modes(self_engine, modes, request_of, len(modes), "hello", lines.append)
+    order = [line.split()[1] for line in lines]
+    places = [order[r * len(modes) : (r + 1) * len(modes)] for r in range(len(modes))]
+    assert all(sorted(place) == sorted(modes) for place in places)  # every mode in every repeat
+    assert all(sorted(column) == sorted(modes) for column in zip(*places, strict=True))  # ... and place
