@@ -418,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_PARALLEL,
         metavar="N",
         help=f"requests answered at once (default {DEFAULT_PARALLEL}, as llama-server), each with a whole --ctx"
-        " of its own (N times the KV memory); editors' completions go first, and the rest wait their turn",
+        " of its own (N times the KV memory); editors' completions go first, and the rest wait their turn;"
+        " draft trees only with 1",
     )
     v.add_argument(
         "--max-tokens",

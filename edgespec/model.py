@@ -406,7 +406,9 @@ class Model(Tokenizer):
         sizes = self._state_sizes(n_batch) if self.recurrent else None
         if n_ctx is None:
             n_ctx = self.default_context(kv_memory_share, sizes.per_token if sizes else self.kv_bytes_per_token)
-        # a tree's branches are sequences of one unified cache, sharing the cells of what they share
+        # a tree's branches are sequences of one unified cache, sharing the cells of what they share;
+        # llama.cpp refuses such a batch where sequences have cells of their own (n_seq > 1) and on a
+        # Mamba, and splits a hybrid's into one pass per branch (a tree could never beat its chain)
         self.branches = TREE_BRANCHES if n_seq == 1 and not self.recurrent else 0
         self._tree: TreePass | None = None
         self.n_snapshots = 0

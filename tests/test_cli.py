@@ -9,8 +9,8 @@ from functools import partial
 
 import pytest
 
-from edgespec import bench
-from edgespec.cli import main
+from edgespec import bench, cli
+from edgespec.cli import build_parser, main
 from edgespec.registry import load_registry
 
 SMALL = ["--pair", "smollm2-self", "--ctx", "512"]
@@ -290,3 +290,12 @@ def test_bench_runs_each_mode_in_every_place_of_the_order(self_engine):
     places = [order[r * len(modes) : (r + 1) * len(modes)] for r in range(len(modes))]
     assert all(sorted(place) == sorted(modes) for place in places)  # every mode in every repeat
     assert all(sorted(column) == sorted(modes) for column in zip(*places, strict=True))  # ... and place
+
+
+@pytest.mark.parametrize("parallel,trees", [(1, True), (2, False)])
+def test_serve_verifies_draft_trees_with_one_sequence_only(parallel, trees):
+    """`serve --parallel 1` (README, --help): the target's one sequence verifies draft trees; with
+    several, each has cells of its own, which llama.cpp does not couple, and rounds stay chains."""
+    args = build_parser().parse_args(["serve", *SMALL, "--parallel", str(parallel)])
+    with cli._load(args) as engine:
+        assert engine.target.n_seq == parallel and engine.target.can_branch is trees
