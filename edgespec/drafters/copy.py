@@ -450,15 +450,15 @@ def branched(draft: Draft, alternatives: list[Alternative], alpha: float, branch
                 rank = parents.count(node)  # its parent's children so far (0: it lengthens a branch)
                 chance = min(alternative.share, 1.0 - alpha) if rank else alpha
                 trust = branching.trust[min(rank, len(branching.trust)) - 1] if rank else 1.0
-                taken = reached * min(chance * trust, 1.0)
-                if taken < branching.cost(len(tokens) + 1) or (rank and leaves(parents) > TREE_BRANCHES):
+                own = min(chance * trust, 1.0)
+                if reached * own < branching.cost(len(tokens) + 1) or (rank and leaves(parents) > TREE_BRANCHES):
                     break
                 child = nodes[node, token] = len(tokens)
                 tokens.append(token)
                 parents.append(node)
                 chances.append(chance)
-                trusted.append(min(chance * trust, 1.0))
-                gain += taken
+                trusted.append(own)
+                gain += reached * own
             reached *= trusted[child]
             node = child
     if len(tokens) == len(draft.tokens):
