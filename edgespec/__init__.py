@@ -27,6 +27,7 @@ _MODULES = {
     "pairs": "loader",
     "pull_models": "resolve",
     "TokenLogprob": "logprobs",
+    "Memory": "memory",
     "Model": "model",
     "DraftMode": "modes",
     "Gamma": "modes",

@@ -20,10 +20,11 @@ from time import perf_counter
 
 import numpy as np
 
-from . import calibration, concurrent_bench, fim_bench, round_bench
+from . import calibration, concurrent_bench, fim_bench, repeat_bench, round_bench
 from .engine import Engine
 from .errors import EdgespecError
 from .kernels import plain_llama
+from .memory import DEFAULT_MEMORY_MB
 from .modes import AUTO, DraftMode
 from .registry import tomllib
 from .request import Request
@@ -69,7 +70,8 @@ def load_prompts() -> list[dict]:
 
 def check_selection(modes: Sequence[str], prompts: Sequence[str] | None) -> None:
     """Refuse unknown mode or prompt-class names (before any model is loaded)."""
-    classes = [p["name"] for p in load_prompts()] + [fim_bench.NAME, round_bench.NAME, concurrent_bench.NAME]
+    classes = [p["name"] for p in load_prompts()]
+    classes += [fim_bench.NAME, round_bench.NAME, concurrent_bench.NAME, repeat_bench.NAME]
     for name in modes:
         if name not in MODES:
             raise EdgespecError(f"unknown bench mode '{name}'; use some of {', '.join(MODES)}")
@@ -88,12 +90,24 @@ def run_bench(
     llama_baseline: bool = False,
     modes: Sequence[str] = MODES,
     prompts: Sequence[str] | None = None,
+    memory_mb: int | None = DEFAULT_MEMORY_MB,
 ) -> dict:
     """modes: which of MODES to run ("off", the baseline, always runs); prompts: which
     classes (default: all; fill-in-the-middle where the target has the tokens for it; the
-    Python per round, round_bench, and requests at once, concurrent_bench, only when named)."""
+    Python per round, round_bench, requests at once, concurrent_bench, and work that repeats
+    across requests, repeat_bench, only when named). memory_mb: the repeat class's memories'
+    cap (None: its memory way left out). The engine's own memory, if any, is left out of
+    every run (answers of one mode would draft another's)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     check_selection(modes, prompts)
+    kept, engine.memory = engine.memory, None
+    try:
+        return _run_bench(engine, repeats, max_tokens, gamma, log, llama_baseline, modes, prompts, memory_mb)
+    finally:
+        engine.memory = kept
+
+
+def _run_bench(engine, repeats, max_tokens, gamma, log, llama_baseline, modes, prompts, memory_mb) -> dict:
     if fim_bench.NAME in (prompts or ()):
         engine.fim_tokens()  # a target without them is told so before any calibration
     if concurrent_bench.NAME in (prompts or ()):
@@ -135,6 +149,9 @@ def run_bench(
     if fim_bench.NAME in (prompts or ()) or (not prompts and not engine.target.fim.missing()):
         fim = fim_bench.run_fim(engine, [m for m in modes if m != "llama"], repeats, log)
     rounds = round_bench.run_rounds(engine, repeats, log) if round_bench.NAME in (prompts or ()) else None
+    repeat = None
+    if repeat_bench.NAME in (prompts or ()):
+        repeat = repeat_bench.run_repeat(engine, max_tokens, repeats, log, memory_mb)
     concurrent = None
     if concurrent_bench.NAME in (prompts or ()):
         concurrent = concurrent_bench.run_concurrent(
@@ -159,6 +176,7 @@ def run_bench(
         "fim": fim,
         "rounds": rounds,
         "concurrent": concurrent,
+        "repeat": repeat,
     }
 
 
@@ -374,3 +392,5 @@ def print_report(report: dict) -> None:
         round_bench.print_rows(report["rounds"])
     if report["concurrent"]:
         concurrent_bench.print_rows(report["concurrent"])
+    if report["repeat"]:
+        repeat_bench.print_rows(report["repeat"])

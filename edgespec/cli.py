@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .errors import EdgespecError
+from .memory import DEFAULT_MEMORY_MB
 from .modes import MODES, DraftMode, Gamma, check_mode
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB
 from .request import Request
@@ -51,6 +52,17 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (choose per round, default), model, copy, hybrid or off",
     )
+    g.add_argument(
+        "--no-memory",
+        action="store_true",
+        help="neither draft from what earlier requests read and wrote nor keep this run's prompts and answers",
+    )
+    g.add_argument(
+        "--memory-mb",
+        type=int,
+        default=DEFAULT_MEMORY_MB,
+        help=f"the memory's size on disk, the oldest forgotten first (default {DEFAULT_MEMORY_MB} MiB)",
+    )
 
 
 def _gamma(text: str) -> int | str:
@@ -83,6 +95,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         args.gamma = Gamma.of(args.gamma)  # typed here, once, for every command
     _max_tokens(args)
     _sampling(args)
+    if not args.no_memory and args.memory_mb < 1:
+        raise EdgespecError(f"--memory-mb must be >= 1, got {args.memory_mb}; or give --no-memory")
 
 
 def _max_tokens(args: argparse.Namespace) -> int | None:
@@ -127,6 +141,10 @@ def _load(args: argparse.Namespace):
         offline=args.offline,
         check_template=args.command in ("generate", "bench") and not getattr(args, "raw", False),
         parallel=getattr(args, "parallel", 1),
+        # bench keeps the user's memory out of its timings (its repeat class has a memory of its own)
+        memory=not args.no_memory and args.command != "bench",
+        memory_mb=args.memory_mb,
+        memory_source=args.command,
     )
 
 
@@ -217,6 +235,29 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_memory(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    from .memory import clear_all, memory_dir, summaries
+
+    if args.clear:
+        print(f"memory cleared: {clear_all()} file(s) removed from {memory_dir()}")
+        return 0
+    found = summaries()
+    print(f"memory: {memory_dir()} (prompts and answers as tokens, on this machine only)")
+    if not found:
+        print("  empty")
+    for one in found:
+        when = " to ".join(datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M") for t in (one.oldest, one.newest) if t)
+        print(
+            f"  {', '.join(one.models) or one.path.stem}: {one.tokens:,} tokens in {one.sequences} sequences,"
+            f" {one.bytes / 2**20:.1f} MiB on disk{f', {when}' if when else ''}"
+        )
+        for source, (count, tokens) in sorted(one.by_source.items()):
+            print(f"    {source}: {count} sequences, {tokens:,} tokens")
+    return 0
+
+
 def _drafts_for(target: str, offline: bool) -> int:
     from .pairing import find_draft
 
@@ -245,6 +286,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
         offline=args.offline,
+        memory=not args.no_memory,
+        memory_mb=args.memory_mb,
+        memory_source="chat",
     )
     return 0
 
@@ -268,6 +312,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             llama_baseline=args.llama_baseline,
             modes=modes,
             prompts=prompts,
+            memory_mb=None if args.no_memory else args.memory_mb,
         )
     if args.json:
         print(json.dumps(report, indent=2))
@@ -392,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--drafts-for", metavar="TARGET", help="the draft models --draft auto weighs for TARGET, and why")
     m.add_argument("--offline", action="store_true", help="with --drafts-for: fetch nothing")
     m.set_defaults(func=cmd_models)
+
+    y = sub.add_parser("memory", help="what the memory of earlier prompts and answers holds, or --clear it")
+    y.add_argument("--clear", action="store_true", help="forget everything remembered (every tokenizer's memory)")
+    y.set_defaults(func=cmd_memory)
 
     c = sub.add_parser("chat", help="full-screen chat that shows speculation live")
     _model_options(c)

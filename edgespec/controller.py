@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
+from time import perf_counter
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from .costs import DECAY, RoundCosts
 from .drafters import Branching, CopyDrafter, Draft, Drafter, GrammarDrafter, ModelDrafter
 from .drafters.base import MAX_SIBLINGS
 from .drafters.copy import Alternative, branched
+from .drafters.memory import MemoryDrafter
 from .model import Pass
 from .modes import DraftMode, Gamma, Source, adaptive
 from .prompt_cache import common_prefix
@@ -78,9 +80,10 @@ class ForcedText:
 @dataclass(frozen=True)
 class CopyKey:
     """Copies are tracked by how many tokens back their alignment (1-3, 4-15, 16-31, 32+):
-    a fresh short anchor fails far more often than a copy that has held for 30 tokens."""
+    a fresh short anchor fails far more often than a copy that has held for 30 tokens; the
+    memory's drafts by how long the context's end they were found after."""
 
-    source: Source  # COPY or PREDICTION
+    source: Source  # COPY, PREDICTION or MEMORY
     bucket: int  # the COPY_BUCKETS key its evidence falls in
 
     @classmethod
@@ -196,6 +199,7 @@ class Plan:
     expected_rate: float | None = None  # under the posterior mean of α (default: rate)
     alpha: float = 1.0  # the posterior mean of α the plan was made with
     forced: ForcedText | None = None  # the grammar's forced text this round, drafted or not
+    recall_s: float = 0.0  # the memory's lookup while planning (see Stats.recall_s)
     rng_state: dict | None = None  # the Thompson draws' generator after this plan's draw
 
     def __post_init__(self) -> None:
@@ -209,11 +213,13 @@ NO_DRAFT = Plan(0.0, Source.OFF, 0)
 
 @dataclass(frozen=True)
 class Drafters:
-    """A request's drafters: its own copy drafter, and the engine's draft model and grammar drafters, if any."""
+    """A request's drafters: its own copy drafter (and memory drafter, where the engine has a
+    memory), and the engine's draft model and grammar drafters, if any."""
 
     copy: CopyDrafter
     model: Drafter | None = None
     grammar: GrammarDrafter | None = None
+    memory: MemoryDrafter | None = None
 
 
 class Controller:
@@ -243,7 +249,12 @@ class Controller:
         where it is unsure and the costs say a sibling pays (see draft())."""
         self.mode, self.gamma, self.costs, self.trees = mode, gamma, costs, trees
         self.adaptive = adaptive(mode, gamma)
-        available = {Source.MODEL: drafters.model, Source.COPY: drafters.copy, Source.GRAMMAR: drafters.grammar}
+        available = {
+            Source.MODEL: drafters.model,
+            Source.COPY: drafters.copy,
+            Source.GRAMMAR: drafters.grammar,
+            Source.MEMORY: drafters.memory,
+        }
         # the drafters this controller may plan for: only those the mode allows and that exist
         self.drafters = {s: available[s] for s in self.mode.sources if available[s] is not None}
         # whose acceptance the engine's drafter learns: the draft model's, or the target's heads' (a
@@ -360,20 +371,27 @@ class Controller:
             step = self.costs.plain_step()
             off_rate = (1 + self.costs.tokens_beside) / step
             candidates.append(Plan((1 + MIN_GAIN) * off_rate, Source.OFF, 0, expected_rate=1.0 / step))
-        confident_copy = False
-        if copy := self.drafters.get(Source.COPY):  # the context's and the prediction's, each on its own α
-            longest = min(room, fixed or MAX_COPY_DRAFT)
-            branching = self.trees and self.adaptive and grammar is None  # (a tree is planned by its costs)
+        longest = min(room, fixed or MAX_COPY_DRAFT)
+        branching = self.trees and self.adaptive and grammar is None  # (a tree is planned by its costs)
+        copies = []  # (draft, evidence, alternatives): the context's and the prediction's, the memory's
+        if copy := self.drafters.get(Source.COPY):
             alternatives = copy.alternatives(longest) if branching else []
-            for lookup in copy.lookups(longest):
-                draft, evidence = lookup.draft, lookup.evidence
-                if grammar is not None:
-                    draft.tokens = grammar.allowed_prefix(draft.tokens)
-                if draft.tokens and (self.mode is not DraftMode.HYBRID or evidence >= HYBRID_MIN_MATCH):
-                    confident_copy = True
-                    key = CopyKey.of(draft.source, evidence)
-                    cut_short = len(draft.tokens) < MAX_COPY_DRAFT
-                    candidates.append(self._free_plan(draft, key, evidence, cut_short, alternatives))
+            copies += [(lookup.draft, lookup.evidence, alternatives) for lookup in copy.lookups(longest)]
+        recall_s = 0.0
+        if memory := self.drafters.get(Source.MEMORY):
+            start = perf_counter()
+            if recalled := memory.recall(context, longest):
+                copies.append((recalled.draft, recalled.evidence, recalled.alternatives if branching else []))
+            recall_s = perf_counter() - start
+        confident_copy = False
+        for draft, evidence, alternatives in copies:  # each on its own α
+            if grammar is not None:
+                draft.tokens = grammar.allowed_prefix(draft.tokens)
+            if draft.tokens and (self.mode is not DraftMode.HYBRID or evidence >= HYBRID_MIN_MATCH):
+                confident_copy = True
+                key = CopyKey.of(draft.source, evidence)
+                cut_short = len(draft.tokens) < MAX_COPY_DRAFT
+                candidates.append(self._free_plan(draft, key, evidence, cut_short, alternatives))
         forced_text, rng_state = None, None  # forced text is free to make: its α is learnt every round, drafted or not
         if grammar is not None and (forced := self.drafters.get(Source.GRAMMAR)):
             text = forced.draft(context, min(room, fixed or MAX_COPY_DRAFT), grammar=grammar)
@@ -392,8 +410,9 @@ class Controller:
                 candidates.append(self._best(Source.MODEL, self.model_key, gammas, rng=rng))
                 rng_state = rng.bit_generator.state
         if not candidates:
-            return NO_DRAFT
-        return replace(max(candidates, key=lambda p: p.rate), forced=forced_text, rng_state=rng_state)
+            return replace(NO_DRAFT, recall_s=recall_s)
+        best = max(candidates, key=lambda p: p.rate)
+        return replace(best, forced=forced_text, rng_state=rng_state, recall_s=recall_s)
 
     def _branching(self, plan: Plan, source: Source, pass_cost: Callable[[int], float] | None = None) -> Branching:
         """What `plan`'s tree is shaped by: one more token in a pass of k costs what `plan` would make
@@ -466,10 +485,10 @@ class Controller:
             costs.observe(plan.source, len(draft.tokens), n_accepted, timing, draft.depth + draft.grown)
         for drafter in self.drafters.values():
             drafter.accept(context)
-        if copy := self.drafters.get(Source.COPY):
-            # every token the target wrote while a copy was aligned says whether the copy was
-            # right: α per evidence level is learnt from all of them, drafted or not
-            for outcome in copy.outcomes():
+        for free in (self.drafters.get(Source.COPY), self.drafters.get(Source.MEMORY)):
+            # every token the target wrote while a copy was aligned (after a recall) says whether
+            # it was right: α per evidence level is learnt from all of them, drafted or not
+            for outcome in free.outcomes() if free is not None else ():
                 self.acceptance_of(CopyKey.of(outcome.source, outcome.evidence)).observe(outcome.matched, 1)
         if plan.forced is not None:
             self.acceptance_of(Source.GRAMMAR).observe(*plan.forced.outcome(context))
@@ -483,6 +502,7 @@ class Controller:
             self.predicted.speedup,
             costs.plain_step() if self.adaptive else 0.0,
             tree=draft.parents is not None,
+            recall_s=plan.recall_s,
         )
 
     def _observe_siblings(self, draft: Draft, path: list[int]) -> None:

@@ -2,32 +2,36 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from time import perf_counter
+from time import monotonic, perf_counter
 
 from . import calibration
 from .chat import PromptTooLong, render
 from .controller import Controller, Drafters
 from .costs import MachineCosts, Recheck, answers_side_by_side
-from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter, HeadsDrafter
+from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter, HeadsDrafter, MemoryDrafter
 from .errors import EdgespecError, PromptExceedsContext
 from .fim import FimPrompt, FimTokens, Infill
 from .grammar import Grammar, grammar_text
 from .healing import Healed, Healing, heal, pieces_of
 from .keystrokes import Keystrokes
 from .logprobs import TokenLogprob
+from .memory import Memory
 from .model import Model, Pass
 from .modes import DraftMode, Gamma, adaptive, check_mode, draft_modes
 from .request import Prompt, Request
 from .run import PREFILL_CHUNK, Event, Run
 from .sequences import Sequences
 from .stats import Stats
+from .suffixes import DEPTH
 from .tools import ToolCall, call_grammar, prepare
 
 MAX_CHARS_PER_TOKEN = 256  # longer than any token of the tokenizers we know (Qwen2.5's longest: 128 bytes)
 IDLE_PASS_S = 0.25  # idle work reads prompts in passes this long at most: a request that comes waits for one
+MEMORY_SAVE_S = 60.0  # idle, the memory is saved once this long has passed since it last was (and at close)
 
 
 @dataclass
@@ -61,13 +65,16 @@ class Engine:
         draft_mode: DraftMode | str = DraftMode.AUTO,
         owned: Sequence[Model] | None = None,
         timer: calibration.Timer = calibration.TIMER,
+        memory: Memory | None = None,
     ) -> None:
         """target: the model whose output distribution is produced. drafter: the draft
         model's drafter (or any drafters.Drafter); the copy drafter (prompt lookup, predicted
         outputs) is always there. gamma (None or "auto") and draft_mode "auto" let the controller
         choose per round (the defaults of requests that leave them unset). owned: the models close() frees
         (default: the target). timer: what times the models' passes for the cost curves
-        (calibration.Timer)."""
+        (calibration.Timer). memory: what earlier requests read and wrote (memory.py), drafted
+        from and added to by every request that does not say otherwise (Request.memory); saved
+        when idle and at close()."""
         self.draft_mode = check_mode(draft_mode, has_model=drafter is not None)
         self.gamma = Gamma.of(gamma) if gamma is not None else Gamma()
         self.target = target
@@ -79,6 +86,7 @@ class Engine:
         self.keystrokes: Keystrokes | None = None  # an editor's requests' memory, from the first infill on
         self.sequences = Sequences(self.models)  # one per request answered at once (Model's n_seq)
         self._idle: IdleRun | None = None  # the idle work under way
+        self.memory = memory
 
     @property
     def draft_model(self) -> Model | None:
@@ -107,6 +115,10 @@ class Engine:
         started meanwhile stops the work in progress; what it read stays cached."""
         if self.costs.recheck is not Recheck.NONE:
             self.costs.upkeep()
+            return True
+        memory = self.memory
+        if memory is not None and memory.dirty and monotonic() - memory.saved_at > MEMORY_SAVE_S:
+            self._save_memory()
             return True
         if self._idle is None:
             work = self.keystrokes.next_idle() if self.keystrokes is not None else None
@@ -213,7 +225,8 @@ class Engine:
             prediction = healed.removed.decode("utf-8", "ignore") + prediction
         prediction_tokens = target.text_tokens(prediction) if prediction else ()
         copy = CopyDrafter(vocab=target, prediction=prediction_tokens, conversation=self.conversation)
-        controller = self._controller(request, copy)
+        memory = MemoryDrafter(self.memory) if self.memory is not None and request.memory else None
+        controller = self._controller(request, Drafters(copy, self.drafter, self.forced, memory))
         return Run(
             target,
             request,
@@ -317,10 +330,9 @@ class Engine:
     def _too_long(self, size: str) -> PromptExceedsContext:
         return PromptExceedsContext(size, self.target.n_ctx)
 
-    def _controller(self, request: Request, copy: CopyDrafter) -> Controller:
+    def _controller(self, request: Request, drafters: Drafters) -> Controller:
         planned = adaptive(request.draft_mode, request.gamma)  # else nothing is planned: no costs needed
         costs = self.costs.of_request(self.target, self.drafter) if planned else None
-        drafters = Drafters(copy, self.drafter, self.forced)
         trees = request.trees and self.target.can_branch
         return Controller(request.draft_mode, request.gamma, costs, drafters, trees=trees)
 
@@ -348,7 +360,26 @@ class Engine:
                 self.costs.answered(run.stats.prefill_s + run.stats.decode_s, run.controller.costs)
                 if run.layout is not None and run.stats.finish_reason != "cancelled":  # an editor's next keystroke
                     self.keystrokes.answered(run.request, run.layout, "".join(text))
+                self._remember(run)
             yield event
+
+    def _remember(self, run: Run) -> None:
+        """The run's prompt and answer into the memory (a hang-up's partial answer too), as the
+        target read and wrote them (its end of generation included); an editor's prompt, sent
+        again at every keystroke, only as far back as a match is looked for."""
+        if self.memory is None or not run.request.memory:
+            return
+        answered = len(run.prompt) + run.stats.n_tokens + (run.stats.finish_reason == "stop")
+        start = max(0, len(run.prompt) - DEPTH) if run.layout is not None else 0
+        self.memory.remember(run.seq[start:answered])
+
+    def _save_memory(self) -> None:
+        """The memory to disk; a failure (a full disk, a folder not writable) is said in one line."""
+        try:
+            self.memory.save()
+        except OSError as e:
+            self.memory.saved_at = monotonic()  # (not tried again at once)
+            print(f"edgespec: the memory could not be saved ({e}); it is kept in this process", file=sys.stderr)
 
     def decode(self, passes: list[Pass]) -> None:
         """The passes of several runs (steps()), each model's decoded together (Model.decode)."""
@@ -387,8 +418,10 @@ class Engine:
         return cache.load_from_disk(self.models) if cache is not None else 0
 
     def close(self) -> None:
-        """Keep what real rounds taught about costs, then free llama.cpp's memory."""
+        """Keep what real rounds taught about costs and the memory, then free llama.cpp's memory."""
         self.costs.save()
+        if self.memory is not None:
+            self._save_memory()
         if isinstance(self.drafter, HeadsDrafter):  # (a context on the target's weights: freed before them)
             self.drafter.heads.close()
         for model in self._owned:

@@ -13,6 +13,7 @@ from .drafters import HeadsDrafter, ModelDrafter
 from .engine import Engine
 from .errors import EdgespecError
 from .heads import Heads, has_heads
+from .memory import DEFAULT_MEMORY_MB, Memory, vocabulary_id
 from .model import KV_MEMORY_SHARE, MAX_SNAPSHOTS, Model, compatibility_problem, header_chat_template
 from .modes import DraftMode, Gamma, check_mode
 from .modes import draft_mode as parse_mode
@@ -66,6 +67,9 @@ def load(
     progress: bool = True,
     check_template: bool = False,
     parallel: int = 1,
+    memory: bool = True,
+    memory_mb: int = DEFAULT_MEMORY_MB,
+    memory_source: str = "library",
 ) -> Engine:
     """Load a target model and (optionally) a draft model into an Engine.
 
@@ -87,7 +91,10 @@ def load(
     template once (in the sandbox) before the models are loaded and timed, so that a hostile
     one fails at once (the command line does, for chat prompts); otherwise it fails per request
     and raw text still works. parallel: requests the engine answers at once (a sequence each in
-    both models' contexts, sharing their n_ctx cells; see sequences.py).
+    both models' contexts, sharing their n_ctx cells; see sequences.py). memory: draft from
+    what earlier requests on this machine read and wrote, and keep each request's prompt and
+    answer there (memory.py: one file per tokenizer in the cache folder, at most memory_mb MiB,
+    the oldest forgotten first); memory_source: what `edgespec memory` counts them under.
     Raises EdgespecError with a one-sentence reason for bad input."""
     gamma = Gamma.of(gamma) if gamma is not None else None
     if pair is not None and target is not None:
@@ -105,6 +112,10 @@ def load(
         if progress:
             print(choice.summary(), file=sys.stderr, flush=True)
         draft = choice.draft
+    if memory and memory_mb < 1:
+        raise EdgespecError(
+            f"the memory's size must be at least 1 MiB, got {memory_mb}; or switch it off (--no-memory)"
+        )
     if not 1 <= parallel <= MAX_PARALLEL:
         raise EdgespecError(f"parallel must be 1..{MAX_PARALLEL} requests at once, got {parallel}")
     draft_mode = parse_mode(draft_mode)  # (whether it needs a draft is known once the target's file is)
@@ -149,8 +160,15 @@ def load(
             cache = PromptCache(cache_ram << 20)
             for model in models:
                 model.prompt_cache = cache
+        remembered = None
+        if memory:
+            name, vocabulary = models[0].path.name, vocabulary_id(models[0])
+            try:
+                remembered = Memory(vocabulary, cap_mb=memory_mb, source=memory_source, model=name)
+            except OSError as e:  # its folder not writable, say: the answers need it not
+                print(f"edgespec: the memory cannot be used ({e}); going on without it", file=sys.stderr)
     except BaseException:
         for model in models:
             model.close()
         raise
-    return Engine(models[0], drafter, gamma=gamma or Gamma(), draft_mode=draft_mode, owned=models)
+    return Engine(models[0], drafter, gamma=gamma or Gamma(), draft_mode=draft_mode, owned=models, memory=remembered)

@@ -23,7 +23,7 @@ class _Name(str, Enum):
 class DraftMode(_Name):
     AUTO = "auto"  # any drafter or none, chosen per round
     MODEL = "model"
-    COPY = "copy"  # copies from the context or a prediction, and the text a grammar forces
+    COPY = "copy"  # the free drafters: copies from the context, a prediction or the memory; forced text
     HYBRID = "hybrid"  # a confident copy, else the model
     OFF = "off"  # the target alone
 
@@ -35,7 +35,7 @@ class DraftMode(_Name):
     def sources(self) -> tuple[Source, ...]:
         """The drafters this mode may draw on (Source.COPY stands for the copy drafter, whose
         drafts come from the context or the prediction)."""
-        free = (Source.COPY, Source.GRAMMAR)
+        free = (Source.COPY, Source.MEMORY, Source.GRAMMAR)
         return {
             DraftMode.AUTO: (*free, Source.MODEL),
             DraftMode.MODEL: (Source.MODEL,),
@@ -54,11 +54,12 @@ class Source(_Name):
     COPY = "copy"  # copied from the context
     PREDICTION = "prediction"  # copied from the request's predicted output
     GRAMMAR = "grammar"  # the text the request's grammar forces
+    MEMORY = "memory"  # what followed the context's end in earlier requests (memory.py)
 
     @property
     def free(self) -> bool:
         """Made without running a model: its acceptance is learnt from every token the target writes."""
-        return self in (Source.COPY, Source.PREDICTION, Source.GRAMMAR)
+        return self in (Source.COPY, Source.PREDICTION, Source.GRAMMAR, Source.MEMORY)
 
 
 MODES = tuple(DraftMode)

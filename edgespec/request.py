@@ -76,7 +76,9 @@ class Request:
     (Run.prompt_logprobs, Generation.prompt_logprobs; what OpenAI's `echo` scores); the
     prompt is then read whole, none of it from the cache.
     trees: whether a round may verify a tree of drafts (Controller) where the machine's costs
-    say one pays; False: chains only (to compare them)."""
+    say one pays; False: chains only (to compare them).
+    memory: whether the engine's memory (memory.py) drafts for this request and keeps its prompt
+    and answer when it ends; False: neither (the request leaves no trace there)."""
 
     prompt: Prompt
     sampling: SamplingParams = DEFAULT_SAMPLING
@@ -97,6 +99,7 @@ class Request:
     prompt_logprobs: bool = False
     heal: bool | None = None
     trees: bool = True
+    memory: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: the checked values are set once, here
@@ -133,6 +136,8 @@ class Request:
             raise RequestError("a forced tool call cannot also follow a grammar or schema; give one of them", "tools")
         if self.calls_tools and isinstance(self.prompt, Infill):
             raise RequestError("a fill-in-the-middle prompt cannot call tools; send a chat prompt", "tools")
+        if not isinstance(self.memory, bool):
+            raise RequestError(f"memory must be true or false, got {self.memory!r}", "memory")
         if self.heal is not None and not isinstance(self.heal, bool):
             raise RequestError(f"heal must be true or false, got {self.heal!r}", "heal")
         if self.heal and not (self.raw or isinstance(self.prompt, Infill)):
@@ -166,6 +171,7 @@ class Request:
         prompt_logprobs: bool = False,
         heal: bool | None = None,
         trees: bool = True,
+        memory: bool = True,
     ) -> Request:
         """A request from keywords (what Engine.stream and generate take besides a Request):
         the sampling settings one by one, and speculative=False for draft_mode "off"."""
@@ -187,6 +193,7 @@ class Request:
             prompt_logprobs=prompt_logprobs,
             heal=heal,
             trees=trees,
+            memory=memory,
         )
 
     @property

@@ -42,6 +42,7 @@ SUMMED = (
     "rollback_s",
     "rounds_s",
     "plain_s",
+    "recall_s",
 )
 # what combine() takes from the first generation: the machine's settings, not counts
 SETTINGS = ("flash_attn", "repack", "rollback", "checkpoint_steps", "restore_steps")
@@ -91,6 +92,7 @@ class RoundReport:
     predicted_speedup: float  # over the target alone, by the plans so far
     plain_step_s: float  # what a round without a draft takes now (0: rounds not planned by cost)
     tree: bool = False  # its drafts were a tree (several candidates somewhere), verified in one pass
+    recall_s: float = 0.0  # of its draft time: looking the context's end up in the memory
 
 
 @dataclass
@@ -115,6 +117,7 @@ class Stats:
     rollback_s: float = 0.0  # of decode_s: cutting a recurrent target's state back (checkpoints, restores)
     rounds_s: float = 0.0  # the rounds' whole time, planning and learning included (not the caller's between them)
     plain_s: float = 0.0  # of rounds_s: the rounds that drafted nothing, each a plain step of the target
+    recall_s: float = 0.0  # of draft_s: looking the context's end up in the memory (every round, drafted or not)
     # stop | stop_string | length | context; an editor's stops: indent | deadline (see Request);
     # cancelled (stopped from outside: a client gone)
     finish_reason: str | None = None
@@ -225,6 +228,7 @@ class Stats:
         self.draft_s += report.timing.draft
         self.verify_s += report.timing.verify
         self.rollback_s += report.timing.rollback
+        self.recall_s += report.recall_s
         self.rounds_by_source[source] = self.rounds_by_source.get(source, 0) + 1
         if report.drafted:
             self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + report.drafted
@@ -280,5 +284,7 @@ class Stats:
         if self.repeated_tokens >= LOOPING:
             line += f", the last {self.repeated_tokens} tokens repeat a {self.repeat_period}-token span"
         rollback = f", rollback {self.rollback_s:.2f}s" if self.rollback != "truncate" else ""
+        if self.recall_s:
+            rollback += f", memory lookups {self.recall_s * 1e3:.1f}ms"
         split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s{rollback}, other {self.other_s:.2f}s"
         return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"

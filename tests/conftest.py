@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import llama_cpp
 import numpy as np
 import pytest
@@ -13,6 +16,10 @@ from edgespec.costs import MachineCosts
 from edgespec.drafters import HeadsDrafter
 from edgespec.resolve import resolve_model
 from edgespec.sampling import distribution, position_uniforms
+
+# the user's own memory of prompts and answers (memory.py) is never read or written by the tests,
+# nor one left by an earlier run: every process they start shares this session's empty one
+os.environ["EDGESPEC_MEMORY_HOME"] = tempfile.mkdtemp(prefix="edgespec-memory-")
 
 near_ties: list[str] = []  # seeded sampled answers that part at a float edge (assert_sampled_match)
 

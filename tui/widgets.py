@@ -111,6 +111,9 @@ class StatsPanel(Vertical):
         ]
         if stats.baseline_tokens_per_s:
             lines.append(f"speedup    {stats.measured_speedup:.2f}x (pred. {stats.predicted_speedup:.2f}x)")
+        if stats.recall_s:  # drafts from what earlier requests wrote
+            remembered = stats.accepted_by_source.get("memory", 0)
+            lines.append(f"memory     {remembered} tokens drafted, lookups {1e3 * stats.recall_s:.0f} ms")
         if stats.finish_reason:
             lines.append(f"finished   {stats.finish_reason}")
         self.query_one("#numbers", Static).update("\n".join(lines))
