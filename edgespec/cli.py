@@ -55,7 +55,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-memory",
         action="store_true",
-        help="neither draft from what earlier requests read and wrote nor keep this run's prompts and answers",
+        help="neither draft from what earlier requests read and wrote nor keep this run's prompts and answers"
+        " (so does EDGESPEC_MEMORY=off in the environment)",
     )
     g.add_argument(
         "--memory-mb",
@@ -142,7 +143,7 @@ def _load(args: argparse.Namespace):
         check_template=args.command in ("generate", "bench") and not getattr(args, "raw", False),
         parallel=getattr(args, "parallel", 1),
         # bench keeps the user's memory out of its timings (its repeat class has a memory of its own)
-        memory=not args.no_memory and args.command != "bench",
+        memory=None if not args.no_memory and args.command != "bench" else False,
         memory_mb=args.memory_mb,
         memory_source=args.command,
     )
@@ -286,7 +287,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
         offline=args.offline,
-        memory=not args.no_memory,
+        memory=None if not args.no_memory else False,
         memory_mb=args.memory_mb,
         memory_source="chat",
     )

@@ -13,7 +13,7 @@ from .drafters import HeadsDrafter, ModelDrafter
 from .engine import Engine
 from .errors import EdgespecError
 from .heads import Heads, has_heads
-from .memory import DEFAULT_MEMORY_MB, Memory, vocabulary_id
+from .memory import DEFAULT_MEMORY_MB, Memory, memory_wanted, vocabulary_id
 from .model import KV_MEMORY_SHARE, MAX_SNAPSHOTS, Model, compatibility_problem, header_chat_template
 from .modes import DraftMode, Gamma, check_mode
 from .modes import draft_mode as parse_mode
@@ -67,7 +67,7 @@ def load(
     progress: bool = True,
     check_template: bool = False,
     parallel: int = 1,
-    memory: bool = True,
+    memory: bool | None = None,
     memory_mb: int = DEFAULT_MEMORY_MB,
     memory_source: str = "library",
 ) -> Engine:
@@ -94,7 +94,8 @@ def load(
     both models' contexts, sharing their n_ctx cells; see sequences.py). memory: draft from
     what earlier requests on this machine read and wrote, and keep each request's prompt and
     answer there (memory.py: one file per tokenizer in the cache folder, at most memory_mb MiB,
-    the oldest forgotten first); memory_source: what `edgespec memory` counts them under.
+    the oldest forgotten first); None: yes, unless $EDGESPEC_MEMORY is "off"; memory_source:
+    what `edgespec memory` counts them under.
     Raises EdgespecError with a one-sentence reason for bad input."""
     gamma = Gamma.of(gamma) if gamma is not None else None
     if pair is not None and target is not None:
@@ -112,6 +113,8 @@ def load(
         if progress:
             print(choice.summary(), file=sys.stderr, flush=True)
         draft = choice.draft
+    if memory is None:
+        memory = memory_wanted()
     if memory and memory_mb < 1:
         raise EdgespecError(
             f"the memory's size must be at least 1 MiB, got {memory_mb}; or switch it off (--no-memory)"

@@ -48,6 +48,11 @@ def memory_dir() -> Path:
     return cache_dir() / "memory"
 
 
+def memory_wanted() -> bool:
+    """Whether a process keeps a memory unless told (`EDGESPEC_MEMORY=off`: not, as --no-memory)."""
+    return os.environ.get("EDGESPEC_MEMORY", "on").strip().lower() not in ("off", "0", "no", "false")
+
+
 def vocabulary_id(tokenizer) -> str:
     """The tokenizer's identity: its type, special tokens and every token's text (as pairing
     tells whether two models share one)."""

@@ -18,8 +18,11 @@ from edgespec.resolve import resolve_model
 from edgespec.sampling import distribution, position_uniforms
 
 # the user's own memory of prompts and answers (memory.py) is never read or written by the tests,
-# nor one left by an earlier run: every process they start shares this session's empty one
+# nor one left by an earlier run: every process they start shares this session's empty one. It is
+# off but where a test turns it on (test_memory.py): the other tests judge other drafters, and an
+# answer drafted from another test's answer would be verified in other pass shapes
 os.environ["EDGESPEC_MEMORY_HOME"] = tempfile.mkdtemp(prefix="edgespec-memory-")
+os.environ["EDGESPEC_MEMORY"] = "off"
 
 near_ties: list[str] = []  # seeded sampled answers that part at a float edge (assert_sampled_match)
 

@@ -648,7 +648,8 @@ def test_a_generation_of_plain_steps_shows_a_speedup_of_one_whatever_the_curve_s
     calibration.save(smollm2, calibration.TARGET_SIZES, CostCurve(busy))
     with Engine(smollm2, None, owned=[]) as engine:
         stats = engine.generate("Count from one to twenty, then again.", temperature=0, max_tokens=48).stats
-    assert stats.rounds_by_source == {"off": stats.rounds} and stats.rounds >= 40
+    # (the answer's length is the model's: 48 tokens on an AMX Xeon, 39 on a 2-core AMD EPYC)
+    assert stats.rounds_by_source == {"off": stats.rounds} and stats.rounds >= 30
     assert stats.measured_speedup == pytest.approx(1.0)
     assert "measured 1.00x" in stats.summary()
 

@@ -169,11 +169,16 @@ def test_a_rename_is_carried_over_to_every_token_it_appears_in(smollm2):
 EDIT = "Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape."
 
 
+FRUITS = "apple, banana, cherry, date, elderberry, fig, grape.\n" * 2 + "apple,"  # (raw: a list going on)
+
+
 def test_copy_greedy_equals_no_draft(smollm2):
+    """(A raw list that goes on: the chat prompt EDIT is repeated on an AMX Xeon, and answered in
+    other words on a 2-core AMD EPYC, whose kernels round otherwise.)"""
     engine = Engine(smollm2, None, gamma=8, draft_mode="copy")
-    spec = engine.generate(EDIT, temperature=0, max_tokens=60)
+    spec = engine.generate(FRUITS, temperature=0, max_tokens=60, raw=True)
     assert spec.stats.rounds_by_source.get("copy", 0) > 0 and spec.stats.accepted > 0
-    assert_greedy_as_llama("copy", engine, EDIT, spec.tokens, limit=60)
+    assert_greedy_as_llama("copy", engine, FRUITS, spec.tokens, raw=True, limit=60)
 
 
 @pytest.mark.parametrize("mode", ["auto", "copy"])
