@@ -402,8 +402,10 @@ def test_a_cost_measured_on_a_busy_machine_does_not_stick(tmp_path, monkeypatch,
         engine.generate("Hi", max_tokens=4, temperature=0)
         engine.upkeep()  # idle after the answer
         step = engine.costs.curve(draft, calibration.DRAFT_SIZES)
-        assert step(1) < 1.5 * quiet(1) and step.checked[1] > 0
-    assert calibration.load_or_measure(draft, calibration.DRAFT_SIZES)(1) < 1.5 * quiet(1)
+        # two thirds of the busy figure: well below it, yet above a re-check's own noise (a CI
+        # run on this 2-core EPYC re-timed a step at 1.54x the quiet figure measured before)
+        assert step(1) < 2 * quiet(1) and step.checked[1] > 0
+    assert calibration.load_or_measure(draft, calibration.DRAFT_SIZES)(1) < 2 * quiet(1)
 
 
 def test_flash_attention_is_chosen_once_and_reported(tmp_path, monkeypatch, smollm2_path):

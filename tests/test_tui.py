@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from weakref import WeakKeyDictionary
 
 import pytest
 from textual.notifications import Notification, Notify
 
+import tui.app
 from tui.app import ChatApp
 from tui.widgets import AssistantMessage, StatsPanel
 
@@ -131,3 +133,41 @@ def test_incompatible_pair_shows_an_error_notification(smollm2_path):
         assert app.query_one(StatsPanel)  # the app is still up
 
     run(test, pair=None, target="smollm2-135m", draft="qwen2.5-coder-0.5b")
+
+
+def test_the_panel_draws_acceptance_on_a_fixed_scale():
+    """A whole answer at α 0.00 (one copy round and one model round, nothing accepted) draws
+    no bars; a round at α 1.00 fills the height; tokens/s are drawn from 0."""
+    from textual.app import App
+
+    from edgespec import Stats
+
+    class Panel(App):
+        def compose(self):
+            yield StatsPanel()
+
+    def drawn(app, selector: str) -> list[str]:
+        line = app.query_one(selector)
+        return [line.render_line(y).text for y in range(line.size.height)]
+
+    async def main():
+        app = Panel(css_path=Path(tui.app.__file__).with_name(ChatApp.CSS_PATH))
+        async with app.run_test(size=(60, 30)) as pilot:
+            panel = app.query_one(StatsPanel)
+            stats = Stats(mode="speculative", gamma="auto")
+            for rounds, drafted, accepted, decode_s in ((1, 8, 0, 0.1), (2, 12, 0, 0.2)):
+                stats.rounds, stats.drafted, stats.accepted, stats.decode_s = rounds, drafted, accepted, decode_s
+                panel.show(stats, "auto")
+            await pilot.pause()
+            assert list(panel.alphas) == [0.0, 0.0]
+            assert not "".join(drawn(app, "#alpha-line")).strip()  # α 0: nothing drawn
+            rates = drawn(app, "#rate-line")
+            assert rates[0][:2] == "██"  # both rounds at 10 tokens/s: the top of a scale from 0
+            stats.rounds, stats.drafted, stats.accepted, stats.decode_s = 3, 16, 2, 0.5
+            panel.show(stats, "auto")  # α 0.5, 10 tokens/s
+            await pilot.pause()
+            alpha = drawn(app, "#alpha-line")
+            assert [row[:3] for row in alpha] == ["   ", "  ▄", "  █"]  # half of three rows
+            assert [row[2] for row in drawn(app, "#rate-line")] == ["█", "█", "█"]
+
+    asyncio.run(main())

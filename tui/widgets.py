@@ -9,7 +9,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.reactive import reactive
 from textual.screen import ModalScreen
-from textual.widgets import LoadingIndicator, Markdown, OptionList, Sparkline, Static
+from textual.widget import Widget
+from textual.widgets import LoadingIndicator, Markdown, OptionList, Static
 from textual.widgets.option_list import Option
 
 import edgespec
@@ -66,6 +67,32 @@ class AssistantMessage(Vertical):
         await self._redraw()
 
 
+class ScaledSparkline(Widget):
+    """Bars on a scale from 0 to `top` (None: the series' own maximum). Textual's Sparkline
+    scales a series to its own minimum and maximum, so a constant one (a single round at
+    α 0.00) fills the widget as if it were the best."""
+
+    BARS = "▁▂▃▄▅▆▇█"
+    data: reactive[list[float]] = reactive(list, always_update=True)
+
+    def __init__(self, top: float | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.top = top
+
+    def render(self) -> Text:
+        width, height = self.size
+        values = self.data[-width:] if width else []
+        top = self.top if self.top is not None else max(values, default=0.0)
+        steps = len(self.BARS)
+        # eighths of a row each column fills: 0 draws nothing, `top` the whole height
+        filled = [round(min(max(v / top, 0.0), 1.0) * steps * height) if top > 0 else 0 for v in values]
+        rows = []
+        for row in reversed(range(height)):
+            above = [f - row * steps for f in filled]
+            rows.append("".join(self.BARS[min(a, steps) - 1] if a > 0 else " " for a in above))
+        return Text("\n".join(rows))
+
+
 class StatsPanel(Vertical):
     """Live numbers of the current (or last) answer, and sparklines over recent rounds."""
 
@@ -82,9 +109,9 @@ class StatsPanel(Vertical):
         yield Static(id="numbers", markup=False)
         yield LoadingIndicator(id="busy")
         yield Static("tokens/s per round", classes="title")
-        yield Sparkline([], id="rate-line")
+        yield ScaledSparkline(id="rate-line")  # from 0 to the highest rate shown
         yield Static("acceptance per round", classes="title")
-        yield Sparkline([], id="alpha-line")
+        yield ScaledSparkline(top=1.0, id="alpha-line")
 
     def reset(self) -> None:
         self.rates.clear()
@@ -117,8 +144,8 @@ class StatsPanel(Vertical):
         if stats.finish_reason:
             lines.append(f"finished   {stats.finish_reason}")
         self.query_one("#numbers", Static).update("\n".join(lines))
-        self.query_one("#rate-line", Sparkline).data = list(self.rates)
-        self.query_one("#alpha-line", Sparkline).data = list(self.alphas)
+        self.query_one("#rate-line", ScaledSparkline).data = list(self.rates)
+        self.query_one("#alpha-line", ScaledSparkline).data = list(self.alphas)
 
 
 class PairPicker(ModalScreen[str]):
