@@ -34,7 +34,7 @@ from .costs import DECAY, RoundCosts
 from .drafters import Branching, CopyDrafter, Draft, Drafter, GrammarDrafter, ModelDrafter
 from .drafters.base import MAX_SIBLINGS
 from .drafters.copy import Alternative, branched
-from .drafters.memory import MemoryDrafter
+from .drafters.recall import MemoryDrafter
 from .model import Pass
 from .modes import DraftMode, Gamma, Source, adaptive
 from .prompt_cache import common_prefix

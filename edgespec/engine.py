@@ -14,7 +14,7 @@ from .controller import Controller, Drafters
 from .costs import MachineCosts, Recheck, answers_side_by_side
 from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter, HeadsDrafter, MemoryDrafter
 from .errors import EdgespecError, PromptExceedsContext
-from .fim import FimPrompt, FimTokens, Infill
+from .fim import FimPrompt, Infill
 from .grammar import Grammar, grammar_text
 from .healing import Healed, Healing, heal, pieces_of
 from .keystrokes import Keystrokes
@@ -28,6 +28,7 @@ from .sequences import Sequences
 from .stats import Stats
 from .suffixes import DEPTH
 from .tools import ToolCall, call_grammar, prepare
+from .vocabulary import FimTokens
 
 MAX_CHARS_PER_TOKEN = 256  # longer than any token of the tokenizers we know (Qwen2.5's longest: 128 bytes)
 IDLE_PASS_S = 0.25  # idle work reads prompts in passes this long at most: a request that comes waits for one

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from .errors import EdgespecError
+from .vocabulary import FimTokens, Vocabulary
 
 FIM_BATCH = 2048  # llama-server's default batch, which its budgets are cut from
 ANSWER_ROOM = 256  # tokens kept for the answer: twice llama.vscode's n_predict (llama-server keeps twice the request's)
@@ -81,31 +81,6 @@ class Infill:
     @property
     def chars(self) -> int:
         return sum(len(t) for t in (self.prefix, self.suffix, self.cursor_line, *(c.text for c in self.chunks)))
-
-
-@dataclass(frozen=True)
-class FimTokens:
-    """A model's fill-in-the-middle tokens (None: it has none)."""
-
-    prefix: int | None
-    suffix: int | None
-    middle: int | None
-    repo: int | None = None  # a repository's name follows
-    file_sep: int | None = None  # a file's name and text follow
-
-    def missing(self) -> list[str]:
-        """The names of the tokens a fill-in-the-middle prompt needs and this model lacks."""
-        needed = {"prefix": self.prefix, "suffix": self.suffix, "middle": self.middle}
-        return [name for name, token in needed.items() if token is None]
-
-
-class Vocabulary(Protocol):
-    """What a layout needs of a model: its text as tokens (no special tokens added or parsed: an
-    editor's text is data) and a token's bytes."""
-
-    def text_tokens(self, text: str) -> list[int]: ...
-
-    def piece(self, token: int) -> bytes: ...
 
 
 @dataclass(frozen=True)

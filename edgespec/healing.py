@@ -25,7 +25,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .sampling import Law, SamplingParams, Vocabulary, law
+from .sampling import Law, SamplingParams, law
+from .vocabulary import Vocabulary
 
 MAX_TOKENS = 4  # tokens taken back at most
 MAX_BYTES = 48  # ... and bytes

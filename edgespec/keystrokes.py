@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from .fim import FimPrompt, FimTokens, Head, Infill, Vocabulary, head, layout, middle
+from .fim import FimPrompt, Head, Infill, head, layout, middle
 from .request import Request
+from .vocabulary import FimTokens, Vocabulary
 
 MAX_HEADS = 4  # heads remembered (each is a prompt's tokens: a few thousand ints)
 MAX_MIDDLE_LINES = 16  # an earlier anchor is looked for this many lines above the cursor line at most

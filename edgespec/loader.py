@@ -14,13 +14,14 @@ from .engine import Engine
 from .errors import EdgespecError
 from .heads import Heads, has_heads
 from .memory import DEFAULT_MEMORY_MB, Memory, memory_wanted, vocabulary_id
-from .model import KV_MEMORY_SHARE, MAX_SNAPSHOTS, Model, compatibility_problem, header_chat_template
+from .model import KV_MEMORY_SHARE, MAX_SNAPSHOTS, Model
 from .modes import DraftMode, Gamma, check_mode
 from .modes import draft_mode as parse_mode
 from .pairing import HEADS, find_draft
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .registry import cached_path, load_registry
 from .resolve import resolve_model
+from .tokenizer import compatibility_problem, header_chat_template
 
 AUTO_DRAFT = "auto"  # draft=: the draft model found for the target (pairing.py)
 MAX_PARALLEL = 256  # requests at once: llama.cpp's limit on a context's sequences (LLAMA_MAX_SEQ)

@@ -1,7 +1,7 @@
 """The memory: every prompt and answer this machine has read and written, as tokens, per
 vocabulary, kept across requests and restarts, so that what repeats across requests (a
 regenerated answer, a script's similar jobs, an agent's re-read files) is drafted for free
-(drafters/memory.py). Drafts are only ever verified: answers stay the target's.
+(drafters/recall.py). Drafts are only ever verified: answers stay the target's.
 
 One file per vocabulary (the tokenizer's identity: every model sharing it shares the memory)
 in the cache folder's `memory/` (or $EDGESPEC_MEMORY_HOME), mode 0600, written atomically

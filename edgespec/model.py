@@ -24,25 +24,21 @@ from __future__ import annotations
 import ctypes
 import enum
 import itertools
-import logging
 import os
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from time import perf_counter
 from typing import TypeVar
 
 import llama_cpp
-import llama_cpp._logger
 import llama_cpp.llama_cpp_ext as llama_ext
 import numpy as np
 
 from .errors import EdgespecError
-from .fim import FimTokens
 from .kernels import choose_repack
 from .prompt_cache import MIN_RESTORED, MIN_TOKENS, PromptCache, common_prefix, reusable_prefix
+from .tokenizer import Tokenizer, check_gguf, load_gguf
 
-GGUF_MAGIC = b"GGUF"
 KV_MEMORY_SHARE = 0.25  # a default context's KV caches (all models of an engine) take at most this share of memory
 MIN_DEFAULT_CTX = 2048  # ... but never less than this many tokens
 MAX_SNAPSHOTS = 64  # the longest draft a target verifies (a 64-token copy) is cut back by at most this much
@@ -51,49 +47,6 @@ PARTIAL_ONLY = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # a state's recurre
 SNAPSHOT_PROBE = (1, 2, 3, 4)  # tokens of the snapshot probe (any ids: it compares logits, not text)
 HIDDEN_MEMORY = 64 << 20  # bytes of hidden states a sequence keeps for MTP layers that have not read them
 TREE_BRANCHES = 16  # a draft tree's branches a one-sequence attention context verifies in one pass, at most
-
-# llama.cpp logs model loading to stderr; keep the terminal for the answer.
-if not os.environ.get("EDGESPEC_VERBOSE"):
-    llama_cpp._logger.logger.setLevel(logging.CRITICAL + 1)
-llama_cpp.llama_backend_init()
-
-
-def check_gguf(path: str | os.PathLike) -> Path:
-    """Fail with one sentence unless `path` is a readable file that starts like a GGUF."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise EdgespecError(
-            f"model file not found: {path}; pass an existing .gguf path or a name from `edgespec models`"
-        )
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise EdgespecError(f"{path} is not a GGUF file; pass a llama.cpp .gguf model")
-    return path
-
-
-def header_chat_template(path: Path) -> str | None:
-    """The chat template of a GGUF, read with its vocabulary alone (no weights: fast)."""
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = True
-    model = _load(path, params)
-    try:
-        return _chat_template(model)
-    finally:
-        llama_cpp.llama_model_free(model)
-
-
-def _load(path: Path, params):
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-    if not model:
-        raise EdgespecError(
-            f"llama.cpp could not load {path} (truncated or corrupt GGUF); delete it and fetch it again"
-        )
-    return model
-
-
-def _chat_template(model) -> str | None:
-    raw = llama_cpp.llama_model_chat_template(model, None)
-    return raw.decode("utf-8") if raw else None
 
 
 class Rollback(enum.Enum):
@@ -227,123 +180,6 @@ class StateSizes:
     recurrent: int
 
 
-class Tokenizer:
-    """What a GGUF's vocabulary says (a Model's, or a Vocabulary's alone): set by the subclass,
-    path, _model (llama.cpp's model), _vocab (its vocabulary) and n_vocab."""
-
-    path: Path
-    n_vocab: int
-
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        data = text.encode("utf-8")
-        capacity = len(data) + 8
-        buf = (llama_cpp.llama_token * capacity)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
-        if n < 0:  # capacity too small: -n is the size needed
-            buf = (llama_cpp.llama_token * -n)()
-            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, -n, add_special, parse_special)
-        return list(buf[:n])
-
-    def text_tokens(self, text: str) -> list[int]:
-        """Text as tokens, no special token added or parsed (an editor's text is data)."""
-        return self.tokenize(text, add_special=False)
-
-    def piece(self, token: int) -> bytes:
-        """The raw bytes of one token; may be part of a multi-byte character."""
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-        return buf.raw[:n]
-
-    def is_eog(self, token: int) -> bool:
-        return llama_cpp.llama_vocab_is_eog(self._vocab, token)
-
-    def token_text(self, token: int) -> bytes:
-        return llama_cpp.llama_vocab_get_text(self._vocab, token)
-
-    @property
-    def vocab_handle(self):
-        """llama.cpp's vocabulary of this model (for its grammar engine, grammar.py)."""
-        return self._vocab
-
-    @property
-    def vocab_type(self) -> int:
-        return llama_cpp.llama_vocab_type(self._vocab)
-
-    @property
-    def bos(self) -> int:
-        return llama_cpp.llama_vocab_bos(self._vocab)
-
-    @property
-    def eos(self) -> int:
-        return llama_cpp.llama_vocab_eos(self._vocab)
-
-    @property
-    def add_bos(self) -> bool:
-        return llama_cpp.llama_vocab_get_add_bos(self._vocab)
-
-    @property
-    def eot(self) -> int:
-        """The end-of-turn token, else the end-of-sequence one."""
-        eot = llama_cpp.llama_vocab_eot(self._vocab)
-        return eot if eot != llama_cpp.LLAMA_TOKEN_NULL else self.eos
-
-    @property
-    def fim(self) -> FimTokens:
-        """The model's fill-in-the-middle tokens."""
-        v = self._vocab
-
-        def token(get) -> int | None:
-            found = get(v)
-            return None if found == llama_cpp.LLAMA_TOKEN_NULL else found
-
-        return FimTokens(
-            prefix=token(llama_cpp.llama_vocab_fim_pre),
-            suffix=token(llama_cpp.llama_vocab_fim_suf),
-            middle=token(llama_cpp.llama_vocab_fim_mid),
-            repo=token(llama_cpp.llama_vocab_fim_rep),
-            file_sep=token(llama_cpp.llama_vocab_fim_sep),
-        )
-
-    def chat_template(self) -> str | None:
-        return _chat_template(self._model)
-
-    def metadata(self, key: str) -> str:
-        """A GGUF metadata value as text (general.architecture: llama, qwen2, ...); "" if absent."""
-        buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
-
-
-class Vocabulary(Tokenizer):
-    """A GGUF's tokenizer alone (llama.cpp's vocab_only load: no weights read), to judge a draft
-    for a target (compatibility_problem) before either is loaded."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = check_gguf(path)
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        self._model = _load(self.path, params)
-        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
-
-    def close(self) -> None:
-        if self._model:
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
-
-    def __enter__(self) -> Vocabulary:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
-
-
 class Model(Tokenizer):
     """A GGUF model with its own llama.cpp context, of n_seq sequences (one unless asked)."""
 
@@ -380,8 +216,8 @@ class Model(Tokenizer):
         and an answer's law must not depend on what runs beside it.
         load_mtp: its multi-token-prediction layers loaded too, for heads.Heads (llama.cpp skips them
         otherwise)."""
+        self._ctx = self._batch = None
         self.path = check_gguf(path)
-        self._model = self._ctx = self._batch = None
         self.n_threads = n_threads or os.cpu_count() or 1
         self.n_gpu_layers = n_gpu_layers
         if repack is None:
@@ -391,7 +227,7 @@ class Model(Tokenizer):
         model_params.n_gpu_layers = n_gpu_layers
         model_params.use_extra_bufts = repack
         model_params.load_mtp = load_mtp
-        self._model = _load(self.path, model_params)
+        self._model = load_gguf(self.path, model_params)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.n_seq, self.seq = n_seq, 0  # seq: the sequence eval(), cut(), sync() work on (see use())
@@ -953,12 +789,7 @@ class Model(Tokenizer):
 
     def close(self) -> None:
         self._free_context()
-        if self._model:
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self) -> None:
-        self.close()
+        super().close()
 
 
 def physical_memory() -> int:
@@ -975,29 +806,3 @@ class ContextFull(Exception):
     def __init__(self, n_ctx: int) -> None:
         super().__init__(f"context full ({n_ctx} tokens)")
         self.n_ctx = n_ctx
-
-
-def compatibility_problem(target: Tokenizer, draft: Tokenizer) -> str | None:
-    """Why `draft` cannot draft for `target` (one sentence), or None if it can."""
-    if reason := tokenizer_mismatch(target, draft):
-        names = f"{draft.path.name} cannot draft for {target.path.name}"
-        return f"{names}: {reason}; pick a draft model from the target's family"
-    return None
-
-
-def tokenizer_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
-    """How the two tokenizers differ (a clause), or None where they are one.
-
-    Speculation compares token ids, so both must share one tokenizer: same vocab
-    type and special tokens, and identical token texts. A few padded entries at
-    the end of the vocabulary may differ in count (as llama.cpp allows)."""
-    if target.vocab_type != draft.vocab_type:
-        return "different tokenizer types"
-    if (target.bos, target.eos, target.add_bos) != (draft.bos, draft.eos, draft.add_bos):
-        return "different special tokens (BOS/EOS)"
-    if abs(target.n_vocab - draft.n_vocab) > 128:
-        return f"vocabularies of {draft.n_vocab} and {target.n_vocab} tokens"
-    for token in range(min(target.n_vocab, draft.n_vocab)):
-        if target.token_text(token) != draft.token_text(token):
-            return f"token {token} differs between the tokenizers"
-    return None

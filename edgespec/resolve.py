@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from . import hub
-from .model import check_gguf
 from .registry import load_registry, pull, verify_cached
+from .tokenizer import check_gguf
 
 
 def pull_models(names: list[str], *, offline: bool = False, progress: bool = True) -> dict[str, Path]:

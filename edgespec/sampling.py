@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from .errors import EdgespecError
+from .vocabulary import Vocabulary
 
 INFILL_KEEP = 0.2  # llama.cpp's infill sampler drops text tokens less likely than this
 INFILL_CANDIDATES = 64  # ... and works on at most this many (where no top-k limits them)
@@ -51,16 +52,6 @@ class SamplingParams:
 
 
 DEFAULT = SamplingParams()  # the one source of the defaults (engine, command line, chat app)
-
-
-class Vocabulary(Protocol):
-    """What the infill sampler reads of a model's tokens (Model has it)."""
-
-    eot: int
-
-    def piece(self, token: int) -> bytes: ...
-
-    def is_eog(self, token: int) -> bool: ...
 
 
 SAMPLE_BLOCK = 4096  # Law.sample walks a large support in blocks of this many tokens

@@ -1,4 +1,4 @@
-"""The concurrent bench's requests (edgespec/concurrent_bench.py) against `edgespec serve` and
+"""The concurrent bench's requests (edgespec/bench/concurrency.py) against `edgespec serve` and
 llama-server over HTTP, side by side on this machine: an /infill sent once a chat answer has
 streamed INFILL_AFTER tokens (its latency against the same /infill on the idle server), and 2
 and 4 chats sent together (the time until all are answered against the same chats one after
@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 from fim_side_by_side import start, stop
 
-from edgespec.concurrent_bench import CHATS, INFILL, INFILL_AFTER, INFILL_TOKENS, medians, print_rows
+from edgespec.bench.concurrency import CHATS, INFILL, INFILL_AFTER, INFILL_TOKENS, medians, print_rows
 from edgespec.loader import resolve_model
 from edgespec.registry import load_registry
 

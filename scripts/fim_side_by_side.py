@@ -1,4 +1,4 @@
-"""The FIM bench's typing sessions (edgespec/fim_bench.py) against `edgespec serve` and
+"""The FIM bench's typing sessions (edgespec/bench/editors.py) against `edgespec serve` and
 llama-server's /infill, side by side on this machine. Every keystroke sends llama.vscode's
 request (Keystroke.body: three answers, its samplers, n_indent, t_max_predict_ms; seeded, and
 streamed to time the first token), the typist's gaps are slept through (each server's idle time),
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from edgespec.bench.editors import ENTER_PAUSE_S, KEY_S, Keystroke, Session, percentiles, sessions
 from edgespec.cache import cache_dir
-from edgespec.fim_bench import ENTER_PAUSE_S, KEY_S, Keystroke, Session, percentiles, sessions
 from edgespec.loader import resolve_model
 from edgespec.registry import load_registry
 

@@ -38,11 +38,11 @@ from gpu_models import SEEDS, WRITTEN
 import edgespec
 from edgespec import Request, SamplingParams, calibration
 from edgespec.bench import mode_rows, run_modes
+from edgespec.bench.round_time import python_per_round
 from edgespec.engine import Engine
 from edgespec.kernels import choose_repack
 from edgespec.modes import AUTO
 from edgespec.prompt_cache import common_prefix
-from edgespec.round_bench import python_per_round
 from edgespec.sampling import Law, law
 
 PROMPTS = (
@@ -139,7 +139,7 @@ def costs(engine: Engine) -> dict:
 
 
 def python_share(engines: dict[str, Engine], max_tokens: int) -> list[dict]:
-    """Where a round's time goes, greedy and sampled (round_bench): rounds of the target alone,
+    """Where a round's time goes, greedy and sampled (round_time.py): rounds of the target alone,
     of auto (with the unrelated draft model: it drafts nothing), and of the draft model drafting 4
     tokens that are all accepted (the draft model is the target): the most Python a round has."""
     cases = (("off", "random-draft", AUTO), ("auto", "random-draft", AUTO), ("model", "draft-is-target", 4))

@@ -19,8 +19,9 @@ from test_parallel import runs_in_turns
 from test_server import Server
 
 import edgespec
-from edgespec import Infill, Request, SamplingParams, fim_bench
-from edgespec.fim_bench import Keystroke, sessions
+from edgespec import Infill, Request, SamplingParams
+from edgespec.bench import editors
+from edgespec.bench.editors import Keystroke, sessions
 from edgespec.run import PREFILL_CHUNK
 from edgespec.server.llama_api import request_of
 
@@ -194,13 +195,13 @@ def test_fim_on_a_model_without_fim_tokens_says_which_are_missing(self_engine):
 
 
 def test_bench_fim_class_types_a_session(engine, capsys):
-    report = fim_bench.run_fim(engine, ["off", "auto"], repeats=1, log=print, count=1, keystrokes=6)
+    report = editors.run_fim(engine, ["off", "auto"], repeats=1, log=print, count=1, keystrokes=6)
     assert report["keystrokes"] == 6
     for row in report["modes"].values():
         assert 0 < row["first_p50_ms"] <= row["line_p50_ms"] <= row["whole_p50_ms"] and 0 <= row["right"] <= 1
         assert 0 < row["prompt_read"] <= 3  # a keystroke reads what it typed
     assert report["modes"]["off"]["vs_off_p50"] == 1
-    fim_bench.print_rows(report)
+    editors.print_rows(report)
     out = capsys.readouterr().out
     assert out.count(": first ") == 12 and re.search(r"^auto +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +[\d.]+x", out, flags=re.M)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgespec import fim_bench
+from edgespec.bench import editors
 from edgespec.fim import Chunk, FimTokens, Infill, layout
 from edgespec.request import RequestError
 from edgespec.sampling import SamplingParams, distribution, infill
@@ -135,7 +135,7 @@ def test_infill_with_no_sure_text_token_is_the_end_of_turn_alone():
     assert survivors({**{i: 0.099 for i in range(10)}, 10: 0.01}, vocab) == {11: 1.0}
 
 
-LLAMA_VSCODE = fim_bench.LLAMA_VSCODE | {  # llama.vscode's defaults, with its text at a cursor
+LLAMA_VSCODE = editors.LLAMA_VSCODE | {  # llama.vscode's defaults, with its text at a cursor
     "id_slot": 0,
     "input_prefix": "def f():\n",
     "input_suffix": "\n",

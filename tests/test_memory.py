@@ -1,4 +1,4 @@
-"""The memory (memory.py, suffixes.py, drafters/memory.py): the longest match against brute force,
+"""The memory (memory.py, suffixes.py, drafters/recall.py): the longest match against brute force,
 the file across restarts, damaged files, two processes, the cap; through the engine on real
 SmolLM2, answers that stay Llama's and the target's law."""
 

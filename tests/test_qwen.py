@@ -8,8 +8,8 @@ import pytest
 from reference import assert_greedy_as_llama
 
 from edgespec import Engine, Model, ModelDrafter
-from edgespec.model import compatibility_problem
 from edgespec.resolve import resolve_model
+from edgespec.tokenizer import compatibility_problem
 
 pytestmark = pytest.mark.slow  # the Qwen pair
 

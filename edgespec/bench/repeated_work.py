@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .engine import Engine
-from .memory import Memory, vocabulary_id
-from .modes import DraftMode
-from .request import Request
-from .sampling import SamplingParams
-from .stats import Stats
+from ..engine import Engine
+from ..memory import Memory, vocabulary_id
+from ..modes import DraftMode
+from ..request import Request
+from ..sampling import SamplingParams
+from ..stats import Stats
 
 NAME = "repeat"
 WAYS = ("off", "no-memory", "memory")

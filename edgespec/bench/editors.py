@@ -27,11 +27,11 @@ from time import perf_counter, sleep
 
 import numpy as np
 
-from .engine import Engine
-from .engine_thread import EngineThread
-from .fim import Chunk, Infill
-from .server.llama_api import answers_of, request_of
-from .stats import Stats
+from ..engine import Engine
+from ..engine_thread import EngineThread
+from ..fim import Chunk, Infill
+from ..server.llama_api import answers_of, request_of
+from ..stats import Stats
 
 FILES = ("textwrap.py", "shlex.py", "graphlib.py", "queue.py", "sched.py", "statistics.py")
 PREFIX_LINES, SUFFIX_LINES, CHUNK_LINES = 256, 64, 64  # llama.vscode's defaults

@@ -20,18 +20,19 @@ from time import perf_counter
 
 import numpy as np
 
-from . import calibration, concurrent_bench, fim_bench, repeat_bench, round_bench
-from .engine import Engine
-from .errors import EdgespecError
-from .kernels import plain_llama
-from .memory import DEFAULT_MEMORY_MB
-from .modes import AUTO, DraftMode
-from .registry import tomllib
-from .request import Request
-from .sampling import SamplingParams
-from .stats import Stats
+from .. import calibration
+from ..engine import Engine
+from ..errors import EdgespecError
+from ..kernels import plain_llama
+from ..memory import DEFAULT_MEMORY_MB
+from ..modes import AUTO, DraftMode
+from ..registry import tomllib
+from ..request import Request
+from ..sampling import SamplingParams
+from ..stats import Stats
+from . import concurrency, editors, repeated_work, round_time
 
-PROMPTS_FILE = Path(__file__).with_name("bench_prompts.toml")
+PROMPTS_FILE = Path(__file__).with_name("prompts.toml")
 MODES = (DraftMode.OFF, DraftMode.MODEL, DraftMode.COPY, DraftMode.HYBRID, DraftMode.AUTO)  # OFF: the target alone
 FIXED_GAMMA = 3  # the "model" mode's draft length unless --gamma says otherwise
 GREEDY = SamplingParams(temperature=0)
@@ -71,7 +72,7 @@ def load_prompts() -> list[dict]:
 def check_selection(modes: Sequence[str], prompts: Sequence[str] | None) -> None:
     """Refuse unknown mode or prompt-class names (before any model is loaded)."""
     classes = [p["name"] for p in load_prompts()]
-    classes += [fim_bench.NAME, round_bench.NAME, concurrent_bench.NAME, repeat_bench.NAME]
+    classes += [editors.NAME, round_time.NAME, concurrency.NAME, repeated_work.NAME]
     for name in modes:
         if name not in MODES:
             raise EdgespecError(f"unknown bench mode '{name}'; use some of {', '.join(MODES)}")
@@ -94,8 +95,8 @@ def run_bench(
 ) -> dict:
     """modes: which of MODES to run ("off", the baseline, always runs); prompts: which
     classes (default: all; fill-in-the-middle where the target has the tokens for it; the
-    Python per round, round_bench, requests at once, concurrent_bench, and work that repeats
-    across requests, repeat_bench, only when named). memory_mb: the repeat class's memories'
+    Python per round, round_time, requests at once, concurrency, and work that repeats
+    across requests, repeated_work, only when named). memory_mb: the repeat class's memories'
     cap (None: its memory way left out). The engine's own memory, if any, is left out of
     every run (answers of one mode would draft another's)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
@@ -108,10 +109,10 @@ def run_bench(
 
 
 def _run_bench(engine, repeats, max_tokens, gamma, log, llama_baseline, modes, prompts, memory_mb) -> dict:
-    if fim_bench.NAME in (prompts or ()):
+    if editors.NAME in (prompts or ()):
         engine.fim_tokens()  # a target without them is told so before any calibration
-    if concurrent_bench.NAME in (prompts or ()):
-        concurrent_bench.check_engine(engine)
+    if concurrency.NAME in (prompts or ()):
+        concurrency.check_engine(engine)
     modes = [m for m in MODES if m is DraftMode.OFF or (m in modes and m in engine.draft_modes)]
     if DraftMode.AUTO in modes and engine.target.can_branch:
         modes.append(CHAINS)
@@ -146,17 +147,15 @@ def _run_bench(engine, repeats, max_tokens, gamma, log, llama_baseline, modes, p
         if CHAINS in runs:
             rows[-1]["auto_vs_chains"] = _paired(rows[-1]["modes"], DraftMode.AUTO, CHAINS)
     fim = None
-    if fim_bench.NAME in (prompts or ()) or (not prompts and not engine.target.fim.missing()):
-        fim = fim_bench.run_fim(engine, [m for m in modes if m != "llama"], repeats, log)
-    rounds = round_bench.run_rounds(engine, repeats, log) if round_bench.NAME in (prompts or ()) else None
+    if editors.NAME in (prompts or ()) or (not prompts and not engine.target.fim.missing()):
+        fim = editors.run_fim(engine, [m for m in modes if m != "llama"], repeats, log)
+    rounds = round_time.run_rounds(engine, repeats, log) if round_time.NAME in (prompts or ()) else None
     repeat = None
-    if repeat_bench.NAME in (prompts or ()):
-        repeat = repeat_bench.run_repeat(engine, max_tokens, repeats, log, memory_mb)
+    if repeated_work.NAME in (prompts or ()):
+        repeat = repeated_work.run_repeat(engine, max_tokens, repeats, log, memory_mb)
     concurrent = None
-    if concurrent_bench.NAME in (prompts or ()):
-        concurrent = concurrent_bench.run_concurrent(
-            engine, [m for m in modes if m != "llama"], repeats, max_tokens, log
-        )
+    if concurrency.NAME in (prompts or ()):
+        concurrent = concurrency.run_concurrent(engine, [m for m in modes if m != "llama"], repeats, max_tokens, log)
     return {
         "target": engine.target.path.name,
         "draft": engine.draft_name,
@@ -387,10 +386,10 @@ def print_report(report: dict) -> None:
                 f"{row['prompt']:<16}auto (trees where they pay) is {row['auto_vs_chains']:.2f}x auto with chains only"
             )
     if report["fim"]:
-        fim_bench.print_rows(report["fim"])
+        editors.print_rows(report["fim"])
     if report["rounds"]:
-        round_bench.print_rows(report["rounds"])
+        round_time.print_rows(report["rounds"])
     if report["concurrent"]:
-        concurrent_bench.print_rows(report["concurrent"])
+        concurrency.print_rows(report["concurrent"])
     if report["repeat"]:
-        repeat_bench.print_rows(report["repeat"])
+        repeated_work.print_rows(report["repeat"])

@@ -19,12 +19,12 @@ from time import perf_counter
 
 import numpy as np
 
-from .engine import Engine
-from .errors import EdgespecError
-from .fim import Infill
-from .model import Pass
-from .request import Request
-from .scheduler import Scheduler, Task
+from ..engine import Engine
+from ..errors import EdgespecError
+from ..fim import Infill
+from ..model import Pass
+from ..request import Request
+from ..scheduler import Scheduler, Task
 
 NAME = "concurrent"
 CHATS = (

@@ -17,12 +17,12 @@ from dataclasses import dataclass, replace
 from operator import itemgetter
 from time import perf_counter
 
-from .engine import Engine
-from .model import Model
-from .modes import DraftMode
-from .request import Request
-from .sampling import SamplingParams
-from .stats import Stats
+from ..engine import Engine
+from ..model import Model
+from ..modes import DraftMode
+from ..request import Request
+from ..sampling import SamplingParams
+from ..stats import Stats
 
 NAME = "rounds"  # the class's name among bench's prompt classes
 PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
