@@ -26,11 +26,11 @@ def main(path: str, repack: bool, n_threads: int, n_gpu_layers: int) -> None:
     for name, (k, rows) in PASSES.items():
         best = float("inf")
         for _ in range(TRIES):
-            model.checkpoint(k)
+            model.cache.checkpoint(k)
             start = perf_counter()
             model.eval([0] * k, rows=rows)
             best = min(best, perf_counter() - start)
-            model.truncate(base)
+            model.cache.truncate(base)
         times[name] = best
     print(json.dumps(times), flush=True)
 

@@ -31,7 +31,9 @@ import numpy as np
 from . import store
 from .cost_curve import UNSPREAD, BatchSpread, CostCurve, RollbackCost, pass_bound
 from .heads import Heads
-from .model import Model, Pass, Rollback
+from .kv_cache import Rollback
+from .model import Model
+from .passes import Pass
 
 TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes measured for a target
 DRAFT_SIZES = (1, 2)  # a draft model decodes one token per step (two after a fully accepted round)
@@ -115,21 +117,21 @@ class Timer:
     def __call__(self, model: Model, k: int, tries: int) -> float:
         if not model.tokens:
             model.eval([0] * PROBE_DEPTH)
-            model.checkpoint(1)
+            model.cache.checkpoint(1)
             model.eval([0], rows=1)  # warm-up: first decodes allocate
-            model.truncate(PROBE_DEPTH)
+            model.cache.truncate(PROBE_DEPTH)
         base = len(model.tokens)
         best, self.usage = float("inf"), Usage()
         if base + k > model.n_ctx:
             return float("nan")
         for _ in range(tries):
-            model.checkpoint(k)  # (a recurrent state: timed apart, see measure_rollback)
+            model.cache.checkpoint(k)  # (a recurrent state: timed apart, see measure_rollback)
             start, cpu = perf_counter(), time.process_time()
             model.eval(model.tokens[-1:] * k, rows=k)
             seconds = perf_counter() - start
             self.usage += Usage(seconds, time.process_time() - cpu)
             best = min(best, seconds)
-            model.truncate(base)
+            model.cache.truncate(base)
         return best
 
     def spread(self, model: Model, sequences: int, tries: int) -> float:
@@ -155,10 +157,10 @@ class Timer:
             best = min(best, seconds)  # (NaN stays NaN)
             for seq, depth in enumerate(depths):
                 model.use(seq)
-                model.truncate(depth)
+                model.cache.truncate(depth)
         for seq, tokens in enumerate(held):
             model.use(seq)
-            model.truncate(tokens)
+            model.cache.truncate(tokens)
         model.use(current)
         return best
 
@@ -227,28 +229,28 @@ def load_or_measure(model: Model, sizes=TARGET_SIZES, timer: Timer = TIMER) -> C
 def load_or_measure_rollback(model: Model) -> RollbackCost | None:
     """What cutting `model`'s state back costs here (cached per machine and model file), or
     None where the cache is simply cut (attention alone)."""
-    if model.rollback is Rollback.TRUNCATE:
+    if model.cache.rollback is Rollback.TRUNCATE:
         return None
-    key = f"{_setup(model)}|fa={int(model.flash_attn)}|rollback={model.rollback.value}:{model.n_snapshots}"
+    key = f"{_setup(model)}|fa={int(model.flash_attn)}|rollback={model.cache.rollback.value}:{model.n_snapshots}"
     return _remembered(key, RollbackCost.from_json, lambda: measure_rollback(model))
 
 
 def measure_rollback(model: Model) -> RollbackCost:
     """Time a checkpoint of the recurrent state and its restore after a one-token pass, on
     top of what the cache holds (left as it was). Nothing here assumes that a partial
-    removal works: the restore is the way back that model.truncate takes without snapshots."""
+    removal works: the restore is the way back that model.cache.truncate takes without snapshots."""
     if len(model.tokens) < PROBE_DEPTH:
-        model.truncate(0)
+        model.cache.truncate(0)
         model.eval([0] * PROBE_DEPTH)
     base = len(model.tokens)
     saves, restores = [], []
     for _ in range(ROLLBACK_TRIES):
         start = perf_counter()
-        model.checkpoint()
+        model.cache.checkpoint()
         saves.append(perf_counter() - start)
         model.eval(model.tokens[-1:])
         start = perf_counter()
-        model.truncate(base)
+        model.cache.truncate(base)
         restores.append(perf_counter() - start)
     return RollbackCost(min(saves), min(restores), model.n_snapshots)
 

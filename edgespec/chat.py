@@ -29,7 +29,7 @@ def render(
 ) -> str:
     """The prompt text for `messages` (and `tools`, for a template that takes them), ending
     where the assistant's answer begins. A text longer than max_chars is refused (see
-    engine.MAX_CHARS_PER_TOKEN)."""
+    prompts.MAX_CHARS_PER_TOKEN)."""
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise EdgespecError("each chat message must be a dict with string 'role' and 'content'")

@@ -35,8 +35,8 @@ from .drafters import Branching, CopyDrafter, Draft, Drafter, GrammarDrafter, Mo
 from .drafters.base import MAX_SIBLINGS
 from .drafters.copy import Alternative, branched
 from .drafters.recall import MemoryDrafter
-from .model import Pass
 from .modes import DraftMode, Gamma, Source, adaptive
+from .passes import Pass
 from .prompt_cache import common_prefix
 from .sampling import Constraint, SamplingParams
 from .stats import RoundReport, RoundTiming
@@ -278,7 +278,7 @@ class Controller:
         never earns them back."""
         model = self.drafters.get(Source.MODEL)
         if self.mode is DraftMode.AUTO and model is not None and room is not None:
-            held = model.model.shares(prompt) if model.model is not None else 0
+            held = model.model.cache.shares(prompt) if model.model is not None else 0
             missing = len(prompt) - 1 - held
             if missing * self.costs.draft_prefill_per_token() > room * self._model_saving(MODEL_GATE_ALPHA):
                 del self.drafters[Source.MODEL]

@@ -193,6 +193,10 @@ class RoundCosts:
         """Verify pass sizes worth planning, up to `longest`: on a CPU, where V(k) has knees, the cheap sizes."""
         return self._verify.sizes(longest)
 
+    def longest_pass(self, seconds: float, longest: int) -> int:
+        """The most tokens (of pass_sizes up to `longest`) a pass reads within `seconds` (at least 1)."""
+        return max((k for k in self.pass_sizes(longest) if self.verify_pass(k) <= seconds), default=1)
+
     # --- a round's cost ------------------------------------------------------------
     def model_round(self, gamma: int, alpha: float) -> float:
         """A draft-model round of γ drafts accepted at rate α, by the curves."""

@@ -2,36 +2,30 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from time import monotonic, perf_counter
 
 from . import calibration
-from .chat import PromptTooLong, render
 from .controller import Controller, Drafters
 from .costs import MachineCosts, Recheck, answers_side_by_side
 from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter, HeadsDrafter, MemoryDrafter
-from .errors import EdgespecError, PromptExceedsContext
-from .fim import FimPrompt, Infill
-from .grammar import Grammar, grammar_text
-from .healing import Healed, Healing, heal, pieces_of
-from .keystrokes import Keystrokes
+from .errors import EdgespecError
+from .fim import FimPrompt
 from .logprobs import TokenLogprob
 from .memory import Memory
-from .model import Model, Pass
+from .model import Model
 from .modes import DraftMode, Gamma, adaptive, check_mode, draft_modes
+from .passes import Pass
+from .prompts import Prompts
 from .request import Prompt, Request
 from .run import PREFILL_CHUNK, Event, Run
 from .sequences import Sequences
 from .stats import Stats
-from .suffixes import DEPTH
-from .tools import ToolCall, call_grammar, prepare
-from .vocabulary import FimTokens
+from .tools import ToolCall
 
-MAX_CHARS_PER_TOKEN = 256  # longer than any token of the tokenizers we know (Qwen2.5's longest: 128 bytes)
-IDLE_PASS_S = 0.25  # idle work reads prompts in passes this long at most: a request that comes waits for one
+IDLE_PASS_S = 0.25  # idle work reads prompts in passes this long at most (2-core CPU: 6-8 tokens): a request waits
 MEMORY_SAVE_S = 60.0  # idle, the memory is saved once this long has passed since it last was (and at close)
 
 
@@ -84,7 +78,7 @@ class Engine:
         self.conversation = Conversation()  # the copy drafters' index of the conversation, kept between requests
         self._owned = [target] if owned is None else list(owned)
         self.costs = MachineCosts(timer)
-        self.keystrokes: Keystrokes | None = None  # an editor's requests' memory, from the first infill on
+        self.prompts = Prompts(target)  # requests made ready to run, an editor's keystrokes kept
         self.sequences = Sequences(self.models)  # one per request answered at once (Model's n_seq)
         self._idle: IdleRun | None = None  # the idle work under way
         self.memory = memory
@@ -119,14 +113,15 @@ class Engine:
             return True
         memory = self.memory
         if memory is not None and memory.dirty and monotonic() - memory.saved_at > MEMORY_SAVE_S:
-            self._save_memory()
+            memory.save_or_say()
             return True
         if self._idle is None:
-            work = self.keystrokes.next_idle() if self.keystrokes is not None else None
+            work = self.prompts.keystrokes.next_idle() if self.prompts.keystrokes is not None else None
             if work is None:
                 return False
             try:
-                run = self._start(work.request, layout=work.layout, prefill_chunk=self._idle_chunk())
+                chunk = self.costs.of_request(self.target).longest_pass(IDLE_PASS_S, PREFILL_CHUNK)
+                run = self._start(work.request, layout=work.layout, prefill_chunk=chunk)
             except EdgespecError:
                 return True
             self._idle = IdleRun(run, run.steps())
@@ -142,7 +137,7 @@ class Engine:
             idle.text.append(step.text)
             if step.done:
                 self._idle = None
-                self.keystrokes.answered(idle.run.request, idle.run.layout, "".join(idle.text), idle=True)
+                self.prompts.keystrokes.answered(idle.run.request, idle.run.layout, "".join(idle.text), idle=True)
         return True
 
     def answers_together(self, count: int) -> bool:
@@ -154,13 +149,6 @@ class Engine:
         return 1 < count <= self.target.n_seq and answers_side_by_side(
             self.costs.curve(self.target), count, self.costs.spread(self.target)
         )
-
-    def _idle_chunk(self) -> int:
-        """Prompt tokens an idle pass reads: the most that take IDLE_PASS_S at most here (on a
-        2-core CPU 6 to 8 tokens, on a GPU a whole PREFILL_CHUNK)."""
-        costs = self.costs.of_request(self.target, None)
-        sizes = [k for k in costs.pass_sizes(PREFILL_CHUNK) if costs.verify_pass(k) <= IDLE_PASS_S]
-        return max(sizes, default=1)
 
     @property
     def draft_modes(self) -> tuple[DraftMode, ...]:
@@ -204,40 +192,24 @@ class Engine:
         """start()'s Run; layout: a fill-in-the-middle prompt as given (idle work reading a head)."""
         request = request.settled(self.draft_mode, self.gamma)
         check_mode(request.draft_mode, has_model=self.drafter is not None)
-        target = self.target
-        if isinstance(request.prompt, Infill):
-            layout = layout or self._fim_prompt(request.prompt)
-            tokens, healable = self._fitting(layout.tokens), len(layout.head.tokens)
-        else:
-            tokens, healable = self.prompt_tokens(request), 0
-        gbnf = grammar_text(request.grammar, request.json_schema)
-        if request.calls_tools and request.tool_choice.call_schema is not None:  # a call is forced: its grammar
-            gbnf = call_grammar(request.tool_choice, request.parallel_tool_calls)
-        constraint = Grammar(target, gbnf) if gbnf is not None else None
-        healed = Healed(len(tokens), b"")
-        if request.healed:  # the prompt's last word goes back: the answer writes it again, whole
-            healed = heal(tokens, healable, pieces_of(target), target.piece)
-            tokens = tokens[: healed.kept]
-            constraint = Healing(pieces_of(target), healed.removed, target.piece) if healed.removed else None
-        prediction = request.prediction
-        if prediction is None and isinstance(request.prompt, Infill) and self.keystrokes is not None:
-            prediction = self.keystrokes.prediction(request.prompt)  # where the user types what was suggested
-        if prediction and healed.removed:  # the answer's tokens write the healed text first
-            prediction = healed.removed.decode("utf-8", "ignore") + prediction
-        prediction_tokens = target.text_tokens(prediction) if prediction else ()
-        copy = CopyDrafter(vocab=target, prediction=prediction_tokens, conversation=self.conversation)
+        prepared = self.prompts.prepare(request, layout)
+        copy = CopyDrafter(vocab=self.target, prediction=prepared.prediction, conversation=self.conversation)
         memory = MemoryDrafter(self.memory) if self.memory is not None and request.memory else None
-        controller = self._controller(request, Drafters(copy, self.drafter, self.forced, memory))
+        drafters = Drafters(copy, self.drafter, self.forced, memory)
+        planned = adaptive(request.draft_mode, request.gamma)  # else nothing is planned: no costs needed
+        costs = self.costs.of_request(self.target, self.drafter) if planned else None
+        trees = request.trees and self.target.can_branch
+        controller = Controller(request.draft_mode, request.gamma, costs, drafters, trees=trees)
         return Run(
-            target,
+            self.target,
             request,
-            tokens,
+            prepared.tokens,
             controller,
-            constraint,
+            prepared.constraint,
             self.sequences,
             cancelled,
-            healed=healed.removed,
-            layout=layout,
+            healed=prepared.healed,
+            layout=prepared.layout,
             prefill_chunk=prefill_chunk,
         )
 
@@ -265,77 +237,7 @@ class Engine:
         """The request's prompt as the target reads it: rendered with the chat template (and
         the tools), tokenized, and checked against the context (fit=False: counted whatever
         its length, up to what the tokenizer is given at all)."""
-        request, target = _request(request, options), self.target
-        if isinstance(request.prompt, Infill):
-            return self._fitting(self._fim_prompt(request.prompt).tokens, fit)
-        # a text this long cannot fit in the context whatever its tokens: refused before
-        # llama.cpp's tokenizer spends seconds (and memory) on it
-        max_chars = MAX_CHARS_PER_TOKEN * target.n_ctx
-        tokens = target.tokenize(self._prompt_text(request, max_chars), add_special=True, parse_special=True)
-        if len(tokens) > 1 and tokens[0] == tokens[1] == target.bos:  # template wrote BOS and so did add_special
-            tokens = tokens[1:]
-        return self._fitting(tokens, fit)
-
-    def _fitting(self, tokens: list[int], fit: bool = True) -> list[int]:
-        """The prompt's tokens, refused if there are none, or (fit) more than the context holds."""
-        if not tokens:
-            raise EdgespecError("the prompt is empty; give some text")
-        if fit and len(tokens) >= self.target.n_ctx:
-            raise self._too_long(f"{len(tokens)} tokens")
-        return tokens
-
-    def _prompt_text(self, request: Request, max_chars: int) -> str:
-        """The prompt as text: raw, or rendered with the chat template (and the tools)."""
-        target = self.target
-        if request.raw:
-            text = request.prompt
-        else:
-            prompt = request.prompt
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            template = target.chat_template()
-            if template is None:
-                raise EdgespecError(f"{target.path.name} has no chat template; send plain text with --raw")
-            bos, eos = (target.token_text(t).decode("utf-8", "replace") for t in (target.bos, target.eos))
-            choice = request.tool_choice
-            messages, tools = prepare(template, messages, list(request.tools) if request.calls_tools else None)
-            try:
-                text = render(template, messages, bos_token=bos, eos_token=eos, max_chars=max_chars, tools=tools)
-            except PromptTooLong as e:
-                raise self._too_long(f"{e.n_chars} characters") from None
-            text += choice.opening if tools or choice.mode == "function" else ""
-        if len(text) > max_chars:
-            raise self._too_long(f"{len(text)} characters")
-        return text
-
-    def fim_tokens(self) -> FimTokens:
-        """The target's fill-in-the-middle tokens; EdgespecError naming those it lacks."""
-        fim = self.target.fim
-        if missing := fim.missing():
-            raise EdgespecError(
-                f"{self.target.path.name} has no fill-in-the-middle tokens ({', '.join(missing)} missing); infill"
-                " and suffix need a code model that has them, such as Qwen2.5-Coder"
-            )
-        return fim
-
-    def _fim_prompt(self, infill: Infill) -> FimPrompt:
-        """A fill-in-the-middle prompt in the target's FIM tokens, on the anchor that keeps the most
-        of it cached (see keystrokes.py and fim.py)."""
-        target = self.target
-        if infill.chars > MAX_CHARS_PER_TOKEN * target.n_ctx:
-            raise self._too_long(f"{infill.chars} characters")
-        if self.keystrokes is None:
-            bos = target.bos if target.add_bos else None
-            self.keystrokes = Keystrokes(self.fim_tokens(), target, target.n_ctx, bos)
-        return self.keystrokes.prompt(infill, target.cached)
-
-    def _too_long(self, size: str) -> PromptExceedsContext:
-        return PromptExceedsContext(size, self.target.n_ctx)
-
-    def _controller(self, request: Request, drafters: Drafters) -> Controller:
-        planned = adaptive(request.draft_mode, request.gamma)  # else nothing is planned: no costs needed
-        costs = self.costs.of_request(self.target, self.drafter) if planned else None
-        trees = request.trees and self.target.can_branch
-        return Controller(request.draft_mode, request.gamma, costs, drafters, trees=trees)
+        return self.prompts.tokens(_request(request, options), fit)
 
     def events(self, run: Run) -> Iterator[Event]:
         """The events of a started Run (what stream() gives): a caller that must know the
@@ -360,27 +262,10 @@ class Engine:
             if event.done:  # before the last event goes out: an engine thread re-checks once the answer is in
                 self.costs.answered(run.stats.prefill_s + run.stats.decode_s, run.controller.costs)
                 if run.layout is not None and run.stats.finish_reason != "cancelled":  # an editor's next keystroke
-                    self.keystrokes.answered(run.request, run.layout, "".join(text))
-                self._remember(run)
+                    self.prompts.keystrokes.answered(run.request, run.layout, "".join(text))
+                if self.memory is not None and run.request.memory:
+                    self.memory.remember(run.remembered())
             yield event
-
-    def _remember(self, run: Run) -> None:
-        """The run's prompt and answer into the memory (a hang-up's partial answer too), as the
-        target read and wrote them (its end of generation included); an editor's prompt, sent
-        again at every keystroke, only as far back as a match is looked for."""
-        if self.memory is None or not run.request.memory:
-            return
-        answered = len(run.prompt) + run.stats.n_tokens + (run.stats.finish_reason == "stop")
-        start = max(0, len(run.prompt) - DEPTH) if run.layout is not None else 0
-        self.memory.remember(run.seq[start:answered])
-
-    def _save_memory(self) -> None:
-        """The memory to disk; a failure (a full disk, a folder not writable) is said in one line."""
-        try:
-            self.memory.save()
-        except OSError as e:
-            self.memory.saved_at = monotonic()  # (not tried again at once)
-            print(f"edgespec: the memory could not be saved ({e}); it is kept in this process", file=sys.stderr)
 
     def decode(self, passes: list[Pass]) -> None:
         """The passes of several runs (steps()), each model's decoded together (Model.decode)."""
@@ -397,12 +282,12 @@ class Engine:
         """Empty the KV caches and the saved prompts: the next prompt is evaluated from
         scratch (as bench needs, to time prefill), with no memory of an editor's keystrokes."""
         self._stop_idle()
-        if self.keystrokes is not None:
-            self.keystrokes.forget()
+        if self.prompts.keystrokes is not None:
+            self.prompts.keystrokes.forget()
         for seq in range(self.sequences.count):
             self.sequences.enter(seq)
             for model in self.models:
-                model.truncate(0)
+                model.cache.truncate(0)
         for model in self.models:
             if model.prompt_cache is not None:
                 model.prompt_cache.drop(model)
@@ -422,7 +307,7 @@ class Engine:
         """Keep what real rounds taught about costs and the memory, then free llama.cpp's memory."""
         self.costs.save()
         if self.memory is not None:
-            self._save_memory()
+            self.memory.save_or_say()
         if isinstance(self.drafter, HeadsDrafter):  # (a context on the target's weights: freed before them)
             self.drafter.heads.close()
         for model in self._owned:

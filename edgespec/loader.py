@@ -158,7 +158,7 @@ def load(
         for model in models:  # measured once per machine; the same for every run, so outputs agree
             choose_flash_attn(model)
         if heads:
-            models[0].export_hidden()
+            models[0].hidden.export()
             drafter = HeadsDrafter(Heads(models[0]))
         if cache_ram > 0:
             cache = PromptCache(cache_ram << 20)

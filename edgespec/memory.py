@@ -224,6 +224,15 @@ class Memory:
         self._forgotten.clear()
         self.saved_at = time.monotonic()
 
+    def save_or_say(self) -> None:
+        """save(), where a failure (a full disk, a folder not writable) is said in one line: the
+        memory stays in this process, and is not tried again until a while has passed."""
+        try:
+            self.save()
+        except OSError as e:
+            self.saved_at = time.monotonic()
+            print(f"edgespec: the memory could not be saved ({e}); it is kept in this process", file=sys.stderr)
+
     def _merge(self, on_disk) -> None:
         """Become the file's memory less what this process forgot, plus what it learnt."""
         _, index, sequences, models = on_disk

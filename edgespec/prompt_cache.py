@@ -88,7 +88,7 @@ class PromptCache:
         best, reuse = self._best(model, tokens, len(tokens) - 1)
         if len(model.tokens) - kept >= MIN_TOKENS:
             self.keep(model)
-        if reuse >= kept + MIN_RESTORED and model.restore_state(best.tokens, best.data):
+        if reuse >= kept + MIN_RESTORED and model.cache.restore_state(best.tokens, best.data):
             # now the most recently used; saving the live state may have pushed it out of the budget
             self.states = [s for s in self.states if s is not best] + [best]
             self._fit()
@@ -119,7 +119,7 @@ class PromptCache:
         # a saved state already holds all of it (a recurrent one only if it ends there: it cannot be cut back)
         if any((s.tokens == tokens) if model.recurrent else (s.tokens[: len(tokens)] == tokens) for s in mine):
             return
-        data = model.save_state()
+        data = model.cache.save_state()
         if data is None or len(data) > self.budget:
             return
         # a state whose tokens the new one continues is superseded by it

@@ -18,12 +18,14 @@ from .controller import Controller
 from .costs import Batch
 from .fim import FimPrompt
 from .logprobs import TokenLogprob, token_logprobs
-from .model import ContextFull, Model, Pass
+from .model import Model
 from .modes import DraftMode
+from .passes import ContextFull, Pass
 from .request import Request
 from .sampling import Constraint, Law, SamplingParams, law, position_uniforms, verify_tree, verify_tree_greedy
 from .sequences import Sequences
 from .stats import RoundTiming, Stats, trailing_repeat
+from .suffixes import DEPTH
 from .text import TextStream
 
 PREFILL_CHUNK = 256  # prompt tokens a prefill pass reads: a cancelled run stops after one
@@ -97,7 +99,7 @@ class Run:
             n_prompt=len(prompt),
             flash_attn=target.flash_attn,
             repack=target.repack,
-            rollback=target.rollback.value,
+            rollback=target.cache.rollback.value,
         )
         if (costs := controller.costs) is not None:
             self.stats.baseline_tokens_per_s = 1.0 / costs.plain_step()
@@ -124,6 +126,14 @@ class Run:
         stats.repeated_tokens, stats.repeat_period = trailing_repeat(self.seq[len(self.prompt) :])
         yield Event(self.text.flush(), None, None, self.stats)
 
+    def remembered(self) -> list[int]:
+        """What a memory keeps of the run (memory.py): its prompt and answer as the target read and
+        wrote them (its end of generation included, a hang-up's partial answer too); an editor's
+        prompt, sent again at every keystroke, only as far back as a match is looked for."""
+        answered = len(self.prompt) + self.stats.n_tokens + (self.stats.finish_reason == "stop")
+        start = max(0, len(self.prompt) - DEPTH) if self.layout is not None else 0
+        return self.seq[start:answered]
+
     def enter(self) -> None:
         """Before each pass: the models work on this run's sequence (see sequences.py)."""
         self.sequences.enter(self.sequence)
@@ -136,7 +146,7 @@ class Run:
         target, prompt, scored = self.target, self.prompt, self.request.prompt_logprobs
         self.sequences.enter(self.sequence)
         # scored, every prompt token's row is needed: none of them comes from the cache
-        self.stats.n_prompt_cached = target.cut(0) if scored else target.sync(prompt)
+        self.stats.n_prompt_cached = target.cache.cut(0) if scored else target.cache.sync(prompt)
         if scored:  # nothing comes before the first token to score it
             self.prompt_logprobs = [TokenLogprob(prompt[0], target.piece(prompt[0]), None)]
         waited = False  # for another run reading this prompt's start: once
@@ -149,7 +159,7 @@ class Run:
                 break
             if not (scored or waited) and (waited := (yield from self._waited(at))):  # copy what it read
                 self.enter()
-                self.stats.n_prompt_cached = target.sync(prompt)
+                self.stats.n_prompt_cached = target.cache.sync(prompt)
                 continue
             chunk = prompt[at : min(at + self.prefill_chunk, len(prompt) - 1)]
             logits = (yield from self._pass(chunk, len(chunk) if scored else None)).logits
@@ -259,7 +269,7 @@ class Run:
 
             # a recurrent state cannot be cut back: keep a way back before a pass that may be rejected
             if draft.tokens:
-                target.checkpoint(len(draft.tokens) + 1)
+                target.cache.checkpoint(len(draft.tokens) + 1)
             rereads = len(seq) - 1 - len(target.tokens)
             t_pass = perf_counter()
 
@@ -287,8 +297,8 @@ class Run:
             # drop the rejected drafts from the target's cache (the drafter trims its own); a recurrent state may
             # go back further, to its checkpoint: the kept tokens after it open the next pass, not one of their own
             if draft.parents is not None:
-                target.keep(kept)
-            target.cut(len(seq) + n)
+                target.cache.keep(kept)
+            target.cache.cut(len(seq) + n)
             seq += new
             rollback = (t_pass - t1) + (perf_counter() - t3)
             # the verify pass is its decode's time (the other runs' steps between are theirs)

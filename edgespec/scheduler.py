@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from .model import Pass
+from .passes import Pass
 
 
 @dataclass(eq=False)

@@ -5,7 +5,7 @@ request answered at once; sequence i of the target goes with sequence i of the d
 run holds one from its first pass to its end: the free one whose cache shares most of its
 prompt (an editor's next keystroke finds the sequence its last one read), else the least
 recently used; a start of its prompt that another sequence holds is copied over from it
-(Model.sync), so requests on one long system prompt read it once, and where another run that
+(Cache.sync), so requests on one long system prompt read it once, and where another run that
 began before it is still reading that start (two requests sent together), it waits for that
 run's reading, then copies it (reading_ahead). A run never shares one:
 two runs taking turns in one sequence would each read its prompt again after the other's
@@ -60,7 +60,7 @@ class Sequences:
         """Where a run that began reading before the one in `seq` is reading MIN_RESTORED more of
         `prompt` than the `have` tokens its cache holds, and has not read them yet: how many
         tokens that run's sequence holds now (its progress); else None. A recurrent state is
-        copied only whole (Model.sync): its readers are not waited for."""
+        copied only whole (Cache.sync): its readers are not waited for."""
         target = self.models[0]
         if target.recurrent:
             return None

@@ -118,9 +118,9 @@ def assert_sampled_match(name, model, prompt, baseline, other, params, seed):
     n = min(len(baseline), len(other))
     first = next((i for i in range(n) if baseline[i] != other[i]), n)
     assert first < n, f"{name}: one output is a strict prefix of the other ({len(baseline)} vs {len(other)})"
-    model.truncate(0)
+    model.cache.truncate(0)
     logits = model.eval(prompt + baseline[:first])
-    model.truncate(0)
+    model.cache.truncate(0)
     cum = np.cumsum(distribution(logits, params))
     u = position_uniforms(seed, len(prompt) + first, 1)[0, 1] * cum[-1]
     edge = cum[min(baseline[first], other[first])]

@@ -29,8 +29,8 @@ from edgespec.cost_curve import RollbackCost
 from edgespec.costs import RoundCosts
 from edgespec.drafters import CopyDrafter
 from edgespec.drafters.base import MAX_SIBLINGS
-from edgespec.model import decoded_alone
 from edgespec.modes import DraftMode, Gamma, Source
+from edgespec.passes import decoded_alone
 from edgespec.sampling import verify_tree_greedy
 from edgespec.stats import RoundTiming
 
@@ -105,7 +105,7 @@ def read_along(draft_model: Model, tokens: list[int], answer: list[int]):
     """The draft model at each token of `answer` after `tokens`: whether its argmax is the token,
     its probability, the token's rank among its MAX_SIBLINGS + 1 likeliest (that + 1: not among
     them) and their probabilities (see Recorded)."""
-    draft_model.truncate(0)
+    draft_model.cache.truncate(0)
     draft_model.eval(tokens[:-1])
     logits = draft_model.eval(tokens[-1:] + answer[:-1], rows=len(answer))
     shifted = logits - logits.max(axis=1, keepdims=True)

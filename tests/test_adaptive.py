@@ -18,7 +18,7 @@ from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
 from edgespec.cost_curve import BatchSpread
 from edgespec.costs import Batch, MicroBatch, Recheck, RoundCosts, answers_side_by_side, ubatches
 from edgespec.drafters import CopyDrafter
-from edgespec.model import decoded_alone
+from edgespec.passes import decoded_alone
 from edgespec.stats import RoundReport, RoundTiming
 
 

@@ -143,7 +143,7 @@ def test_multi_turn_reuses_kv_prefix(self_engine):
     assert second.stats.n_prompt_cached >= first.stats.n_prompt - 1
     assert second.stats.n_prompt > first.stats.n_prompt
     # and the reused cache gives the same answer as a cold start
-    self_engine.target.truncate(0)
+    self_engine.target.cache.truncate(0)
     cold = self_engine.chat(messages, temperature=0, max_tokens=16)
     assert cold.stats.n_prompt_cached == 0
     assert_greedy_as_llama("multi-turn, cold", self_engine, messages, cold.tokens, limit=16)
@@ -260,11 +260,12 @@ def test_a_saved_state_pushed_out_while_the_live_one_is_kept_still_comes_back():
     saved state the new prompt continues; that state is still brought back, and the budget holds."""
     from edgespec.prompt_cache import MIN_TOKENS, PromptCache, SavedState
 
-    class Stand:  # a model whose state costs a byte a token
+    class Stand:  # a model (and its cache) whose state costs a byte a token
         recurrent = False
 
         def __init__(self, tokens):
             self.tokens = list(tokens)
+            self.cache = self
 
         def save_state(self):
             return bytearray(len(self.tokens))

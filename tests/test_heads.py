@@ -20,8 +20,10 @@ from edgespec import calibration
 from edgespec.controller import MODEL_PRIOR_ALPHA
 from edgespec.errors import EdgespecError
 from edgespec.heads import has_heads
-from edgespec.model import HiddenStates, Model, Pass
+from edgespec.hidden_states import HiddenStates
+from edgespec.model import Model
 from edgespec.pairing import HEADS, find_draft
+from edgespec.passes import Pass
 
 pytestmark = pytest.mark.slow  # models written with the gguf package
 
@@ -154,22 +156,22 @@ def test_a_tree_pass_keeps_the_hidden_states_of_the_branch_taken(mtp):
     """What the heads read after a tree round: the target's hidden states of the root and of the
     path it took (on the first branch, on another, on none) are those a chain's pass leaves."""
     target = Model(mtp["random"], n_ctx=256, load_mtp=True)
-    target.export_hidden()
+    target.hidden.export()
     prompt = target.text_tokens(PROMPT)
     nodes, parents = [300, 100, 400, 500, 200, 600], [-1, -1, 0, 2, 2, 1]
 
     def chain_states(tokens: list[int]) -> np.ndarray:
-        target.truncate(0)
-        target.take_hidden()
+        target.cache.truncate(0)
+        target.hidden.take()
         target.eval(tokens)
-        return target.take_hidden().rows(0, len(tokens))
+        return target.hidden.take().rows(0, len(tokens))
 
     for path in ([0, 2, 3], [0, 2, 4], [1, 5], []):
-        target.truncate(0)
+        target.cache.truncate(0)
         target.eval(prompt[:-1])
         target.decode([Pass(target.seq, prompt[-1:] + nodes, len(nodes) + 1, parents=parents)])
-        target.keep(path)
-        held = target.take_hidden()
+        target.cache.keep(path)
+        held = target.hidden.take()
         taken = prompt + [nodes[node] for node in path]
         assert (held.at, held.end) == (0, len(taken))
         np.testing.assert_allclose(held.rows(0, len(taken)), chain_states(taken), atol=1e-3)
@@ -241,7 +243,7 @@ def test_a_hybrid_target_drafts_with_its_heads_exactly(smollm2_path, tmp_path):
     and the greedy answer is Llama's."""
     path = write_tiny(tmp_path / "qwen35-mtp.gguf", "qwen35", smollm2_path, mtp=True)
     with edgespec.load(target=str(path), n_ctx=1024, cache_ram=0) as engine:
-        assert engine.draft_name == "its own MTP heads" and engine.target.rollback.value == "snapshots"
+        assert engine.draft_name == "its own MTP heads" and engine.target.cache.rollback.value == "snapshots"
         answer = engine.generate(PROMPT, raw=True, max_tokens=LENGTH, temperature=0, draft_mode="model", gamma=3)
         assert_greedy_as_llama("qwen35 with heads", engine, PROMPT, answer.tokens, raw=True, limit=LENGTH)
         assert answer.stats.drafted_by_source["heads"] > LENGTH  # (random heads: nearly all rejected, cut back)

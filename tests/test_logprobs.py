@@ -55,13 +55,13 @@ def llama_logprobs(llm: Llama, prompt: list[int], answer: list[int] = ()) -> np.
 def batch_noise(model: Model, prompt: list[int], answer: list[int], width: int = 5) -> float:
     """How far llama.cpp's log-probabilities of `answer` from passes of `width` tokens (a verify
     pass's) are from one-token passes' on this machine (0 where its kernels round alike)."""
-    model.cut(0)
+    model.cache.cut(0)
     model.eval(prompt[:-1])
     rows, inputs = [], prompt[-1:] + answer[:-1]  # row i scores answer[i]
     for at in range(0, len(inputs), width):
         batch = inputs[at : at + width]
         rows += [log_softmax(r) for r in model.eval(batch, rows=len(batch))]
-    model.cut(len(prompt) - 1)
+    model.cache.cut(len(prompt) - 1)
     single = [log_softmax(model.eval([t])) for t in inputs]
     return max(abs(b[t] - s[t]) for b, s, t in zip(rows, single, answer, strict=True))
 

@@ -18,7 +18,8 @@ from edgespec import EdgespecError, Engine, EngineThread, Request
 from edgespec.cost_curve import CostCurve
 from edgespec.drafters import ModelDrafter
 from edgespec.engine_thread import REST_S
-from edgespec.model import Model, Pass
+from edgespec.model import Model
+from edgespec.passes import Pass
 from edgespec.run import PREFILL_CHUNK
 from edgespec.scheduler import Scheduler, Task
 from edgespec.server.answers import Answer, Job
@@ -123,10 +124,10 @@ def test_a_sequences_logits_do_not_depend_on_its_neighbours(twin_engine):
     reads = {seq: [shared + [int(t) for t in rng.integers(100, 1000, 27)]] for seq in (0, 1)}
     for seq in (0, 1):
         target.use(seq)
-        target.truncate(0)
+        target.cache.truncate(0)
         target.eval(reads[seq][0])
     target.use(0)
-    target.cut(24)
+    target.cache.cut(24)
     reads[0] = [shared, [int(t) for t in rng.integers(100, 1000, 13)]]
     target.eval(reads[0][1])
     for seq in (0, 1):
@@ -136,7 +137,7 @@ def test_a_sequences_logits_do_not_depend_on_its_neighbours(twin_engine):
         for tokens in [*reads[seq], [1]]:
             llm.eval(tokens)
         assert np.abs(ours - llm.scores[llm.n_tokens - 1]).max() < 1e-3, f"sequence {seq} reads its neighbour's cells"
-        target.truncate(0)
+        target.cache.truncate(0)
 
 
 def test_a_prompt_start_another_sequence_holds_is_copied_not_read_again(twin_engine):

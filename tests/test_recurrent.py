@@ -22,7 +22,8 @@ import edgespec
 from edgespec import Engine, Model, ModelDrafter
 from edgespec.cost_curve import CostCurve, RollbackCost
 from edgespec.drafters import CopyDrafter
-from edgespec.model import Rollback, decoded_alone
+from edgespec.kv_cache import Rollback
+from edgespec.passes import decoded_alone
 
 pytestmark = pytest.mark.slow  # models written with the gguf package
 
@@ -60,7 +61,7 @@ def engines(tiny):
 
 def fresh_logits(model: Model, tokens: list[int]) -> np.ndarray:
     """The last token's logits from an empty cache."""
-    model.truncate(0)
+    model.cache.truncate(0)
     return np.array(model.eval(tokens))
 
 
@@ -73,7 +74,7 @@ def assert_same_logits(actual: np.ndarray, expected: np.ndarray) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_rollback_kind_is_found_by_asking_llama_cpp(engines, arch):
     engine = engines[arch]
-    assert engine.target.recurrent and engine.target.rollback is EXPECTED[arch]
+    assert engine.target.recurrent and engine.target.cache.rollback is EXPECTED[arch]
     assert engine.draft_model.n_snapshots == 0  # a draft model has no use for snapshots
 
 
@@ -89,39 +90,39 @@ def test_every_cut_is_exact(engines, arch):
         after_cut = np.array(model.eval(PROMPT[n : n + 1]))
         assert_same_logits(after_cut, fresh_logits(model, PROMPT[: n + 1]))
 
-    model.truncate(0)
+    model.cache.truncate(0)
     model.eval(PROMPT[:5])
-    model.checkpoint()
+    model.cache.checkpoint()
     model.eval(PROMPT[5:])
-    model.truncate(6)  # the checkpoint at 5, then one token again
+    model.cache.truncate(6)  # the checkpoint at 5, then one token again
     check(6)
 
-    model.truncate(0)
+    model.cache.truncate(0)
     model.eval(PROMPT[:6])
     model.eval(PROMPT[6:9])  # one pass of 3, cut back by 2
-    model.truncate(7)
-    assert model._now.snapshot_pending == (EXPECTED[arch] is Rollback.SNAPSHOTS)  # the snapshot was used
+    model.cache.truncate(7)
+    assert model.state.snapshot_pending == (EXPECTED[arch] is Rollback.SNAPSHOTS)  # the snapshot was used
     check(7)
 
-    model.truncate(0)
+    model.cache.truncate(0)
     for token in PROMPT[:9]:  # passes of one token, no checkpoint: only from scratch
         model.eval([token])
-    model.truncate(3)
+    model.cache.truncate(3)
     check(3)
-    model.truncate(0)
+    model.cache.truncate(0)
 
 
 def test_llama_cpp_refuses_a_partial_removal_and_the_model_notices(engines):
     """llama.cpp cannot cut a Mamba state: its seq_rm says so, and truncate recovers exactly."""
     model = engines["mamba"].target
-    model.truncate(0)
+    model.cache.truncate(0)
     model.eval(PROMPT)
-    assert not llama_cpp.llama_memory_seq_rm(model._memory, 0, 5, -1)  # the refusal itself
-    model.truncate(5)  # no checkpoint, no snapshot: evaluated again from scratch
+    assert not llama_cpp.llama_memory_seq_rm(model.llama_memory, 0, 5, -1)  # the refusal itself
+    model.cache.truncate(5)  # no checkpoint, no snapshot: evaluated again from scratch
     assert model.tokens == PROMPT[:5]
     after_cut = np.array(model.eval(PROMPT[5:6]))
     assert_same_logits(after_cut, fresh_logits(model, PROMPT[:6]))
-    model.truncate(0)
+    model.cache.truncate(0)
 
 
 RUNS = [
@@ -298,7 +299,7 @@ GEMMA_PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
 def test_gemma_greedy_equal_across_modes(gemma, kwargs, monkeypatch):
     monkeypatch.setattr(gemma, "costs", GpuCosts())  # auto drafts (see GpuCosts)
     baseline = gemma.generate(GEMMA_PROMPT, raw=True, max_tokens=60, temperature=0, speculative=False)
-    assert gemma.target.rollback is Rollback.TRUNCATE and gemma.target.n_vocab == 262144
+    assert gemma.target.cache.rollback is Rollback.TRUNCATE and gemma.target.n_vocab == 262144
     prediction = with_a_word_changed(baseline.text)
     other = gemma.generate(GEMMA_PROMPT, raw=True, max_tokens=60, temperature=0, prediction=prediction, **kwargs)
     assert_greedy_as_llama("gemma alone", gemma, GEMMA_PROMPT, baseline.tokens, raw=True, limit=60)

@@ -12,7 +12,7 @@ from reference import assert_first_token_law, assert_greedy_as_llama, reference_
 from edgespec import Engine, Model, ModelDrafter, calibration
 from edgespec.drafters import Branching, Draft
 from edgespec.drafters.copy import Alternative, branched
-from edgespec.model import Pass
+from edgespec.passes import Pass
 from edgespec.sampling import SamplingParams
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -51,7 +51,7 @@ def test_a_tree_pass_gives_each_branch_its_own_rows(smollm2):
         return np.array(llm.scores[len(tokens) - 1])
 
     for taken in ([0, 2, 3], [0, 2, 4], [1, 5], []):
-        smollm2.truncate(0)
+        smollm2.cache.truncate(0)
         smollm2.eval(prompt[:-1])
         tree = Pass(smollm2.seq, prompt[-1:] + nodes, len(nodes) + 1, parents=parents)
         smollm2.decode([tree])
@@ -60,12 +60,12 @@ def test_a_tree_pass_gives_each_branch_its_own_rows(smollm2):
             expected = llama_row(prompt + branch(node))
             assert int(np.argmax(rows[node + 1])) == int(np.argmax(expected)), f"node {node}"
             np.testing.assert_allclose(rows[node + 1], expected, atol=0.05)
-        smollm2.keep(taken)
+        smollm2.cache.keep(taken)
         kept = [nodes[i] for i in taken]
         assert kept[: len(smollm2.tokens) - len(prompt)] == smollm2.tokens[len(prompt) :]
         after = np.array(smollm2.eval((prompt + kept)[len(smollm2.tokens) :] + [777]))
         np.testing.assert_allclose(after, llama_row(prompt + kept + [777]), atol=0.05)
-    smollm2.truncate(0)
+    smollm2.cache.truncate(0)
 
 
 def test_greedy_answers_with_trees_are_llamas(engine, monkeypatch):

@@ -20,7 +20,7 @@ from test_cli import assert_one_line_error, run
 
 import edgespec
 from edgespec import kernels, store
-from edgespec.engine import MAX_CHARS_PER_TOKEN
+from edgespec.prompts import MAX_CHARS_PER_TOKEN
 
 pytestmark = pytest.mark.slow  # models written with the gguf package
 

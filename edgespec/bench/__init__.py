@@ -110,7 +110,7 @@ def run_bench(
 
 def _run_bench(engine, repeats, max_tokens, gamma, log, llama_baseline, modes, prompts, memory_mb) -> dict:
     if editors.NAME in (prompts or ()):
-        engine.fim_tokens()  # a target without them is told so before any calibration
+        engine.prompts.fim_tokens()  # a target without them is told so before any calibration
     if concurrency.NAME in (prompts or ()):
         concurrency.check_engine(engine)
     modes = [m for m in MODES if m is DraftMode.OFF or (m in modes and m in engine.draft_modes)]
@@ -232,7 +232,7 @@ def run_modes(
 def _rollback(engine: Engine, unit: calibration.CostCurve) -> dict:
     """How each model's cache is cut back, and on a recurrent model what a checkpoint and a
     restore cost here, in target steps (after a rejection the kept tokens are evaluated again too)."""
-    report = {"kind": engine.target.rollback.value, "snapshots": engine.target.n_snapshots}
+    report = {"kind": engine.target.cache.rollback.value, "snapshots": engine.target.n_snapshots}
     for role, model in (("target", engine.target), ("draft", engine.draft_model)):
         if model is not None and (cost := engine.costs.rollback(model)) is not None:
             steps = {"checkpoint": cost.checkpoint_s / unit(1), "restore": cost.restore_s / unit(1)}

@@ -22,7 +22,7 @@ import numpy as np
 from ..engine import Engine
 from ..errors import EdgespecError
 from ..fim import Infill
-from ..model import Pass
+from ..passes import Pass
 from ..request import Request
 from ..scheduler import Scheduler, Task
 

@@ -8,8 +8,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ..model import TREE_BRANCHES, Model, Pass
+from ..model import TREE_BRANCHES, Model
 from ..modes import Source
+from ..passes import Pass
 from ..sampling import Constraint, Law, SamplingParams, law
 
 

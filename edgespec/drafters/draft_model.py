@@ -7,8 +7,9 @@ from functools import partial
 
 import numpy as np
 
-from ..model import Model, Pass, decoded_alone
+from ..model import Model
 from ..modes import Source
+from ..passes import Pass, decoded_alone
 from .base import Chain, Draft
 
 
@@ -31,14 +32,14 @@ class ModelDrafter:
     def begin_steps(self, prompt: list[int], chunk: int | None = None) -> Generator[Pass, None, None]:
         """begin(), its passes handed out: `chunk` tokens at most each (None: all in one), so that a
         long prompt's read holds the other runs' steps up for one pass at most."""
-        ahead = prompt[self.model.sync(prompt) : -1]
+        ahead = prompt[self.model.cache.sync(prompt) : -1]
         step = chunk or max(1, len(ahead))
         for at in range(0, len(ahead), step):
             yield from self._pass(ahead[at : at + step])
 
     def accept(self, context: list[int]) -> None:
         """Drop the rejected drafts from the cache (the tokens the target added are read at the next draft)."""
-        self.model.sync(context)
+        self.model.cache.sync(context)
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None, branching=None) -> Draft:
         return decoded_alone(self.draft_steps(context, n, params, rng, stop_below, grammar, branching))
@@ -49,7 +50,7 @@ class ModelDrafter:
         """draft(), its passes handed out; branching: a tree's (see Chain), None for a chain."""
         model = self.model
         logits = yield from self._pass(context[len(model.tokens) :])  # the tokens written since its last draft
-        model.checkpoint()  # a recurrent state: the next round's sync comes back here
+        model.cache.checkpoint()  # a recurrent state: the next round's sync comes back here
         shared = min(model.n_vocab, self.target_vocab)
         chain = Chain(params, rng, stop_below, grammar, model, shared, branching)
         tree_rows = partial(self._tree_rows, context) if branching is not None and model.can_branch else None
@@ -60,12 +61,12 @@ class ModelDrafter:
         in one pass handed out: the tree is read again from that token, each node after its own
         branch; the cache is left holding the context."""
         model = self.model
-        model.cut(len(context) - 1)
+        model.cache.cut(len(context) - 1)
         one = Pass(model.seq, [context[-1], *tokens], len(tokens) + 1, model=model, parents=parents)
         yield one
         model.use(one.seq)
         rows = one.result()
-        model.keep([])
+        model.cache.keep([])
         return rows
 
     def _pass(self, tokens: list[int]) -> Generator[Pass, None, np.ndarray]:

@@ -10,7 +10,7 @@ pass (Chain): no layer step more, and the target's hidden states of the branch i
 
 Each position p the layers hold is the context's token there with the target's hidden state at
 p - 1 (zeros before the first), written when the target has decoded p - 1 (its hidden states are
-kept per sequence: Model.export_hidden); a draft's own positions, read with the layers' own states,
+kept per sequence: HiddenExport.export); a draft's own positions, read with the layers' own states,
 are cut before the next is written.
 """
 
@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..heads import Heads
-from ..model import HiddenStates, Model, Pass, decoded_alone
+from ..hidden_states import HiddenStates
+from ..model import Model
 from ..modes import Source
+from ..passes import Pass, decoded_alone
 from ..prompt_cache import common_prefix
 from .base import Chain, Draft
 
@@ -86,7 +88,7 @@ class HeadsDrafter:
         same = written.start + held if held or written.start == 0 else 0  # positions of this text held
         kept = min(same, length - 1)  # (the last is written again: its logits are wanted)
         hidden = written.hidden.cut(same) if written.hidden is not None else None  # (later ones: other text's)
-        if (taken := self.target.take_hidden()) is not None:
+        if (taken := self.target.hidden.take()) is not None:
             hidden = taken if hidden is None else hidden.add(taken)
         written.hidden = hidden
         if length > 1 and (hidden is None or hidden.end < length - 1):

@@ -35,7 +35,7 @@ from ..engine import Engine
 from ..engine_thread import EngineThread
 from ..errors import EdgespecError, PromptExceedsContext
 from ..fim import Infill
-from ..model import Pass
+from ..passes import Pass
 from ..request import Request, RequestError
 from . import anthropic_api
 from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, log_answer, refused
