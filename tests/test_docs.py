@@ -1,5 +1,5 @@
-"""The README's commands and examples, and the package docstring's, run as written
-(on the default pair, as a newcomer would)."""
+"""The commands and examples of the README, of the pages of docs/ and of the package docstring,
+run as written (on the default pair, as a newcomer would)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from pages import code_blocks, page, section
 
 import edgespec
 
-README = (Path(__file__).parents[1] / "README.md").read_text()
-
-
-def code_blocks(text: str, language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+README = page("README.md")
 
 
 @pytest.mark.slow
@@ -93,9 +90,9 @@ def default_server():
 @pytest.mark.slow
 def test_readme_openai_client_section(capsys, default_server):
     """The server section's curl and Python examples, against `edgespec serve` on the default pair."""
-    section = README[README.index("## Use it from any OpenAI client") : README.index("## Log-probabilities")]
-    (shell,) = code_blocks(section, "sh")
-    (python,) = code_blocks(section, "python")
+    server = section(README, "A server for OpenAI clients")
+    (shell,) = code_blocks(server, "sh")
+    (python,) = code_blocks(server, "python")
     url = default_server.url
     curl = shell.split("\n", 1)[1].replace("\\\n", " ").replace("http://127.0.0.1:8080/v1", url)
     done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
@@ -109,8 +106,7 @@ def test_readme_openai_client_section(capsys, default_server):
 @pytest.mark.slow
 def test_readme_logprobs_section(capsys, default_server):
     """Scoring labels by log-probability (echo, logprobs, max_tokens 0) on the default pair."""
-    section = README[README.index("## Log-probabilities") : README.index("## Editors")]
-    (python,) = code_blocks(section, "python")
+    (python,) = code_blocks(section(page("server.md"), "Log-probabilities"), "python")
     namespace: dict = {}
     exec(compile(python.replace("http://127.0.0.1:8080/v1", default_server.url), "README.md", "exec"), namespace)
     scores = namespace["scores"]
@@ -123,14 +119,13 @@ def test_readme_logprobs_section(capsys, default_server):
 def test_readme_editors_section(default_server):
     """The /infill example, and the side-by-side script (edgespec's servers only: llama-server
     is not built here) on one completion."""
-    section = README[README.index("## Editors") : README.index("## Agents")]
-    (shell,) = code_blocks(section, "sh")
+    (shell,) = code_blocks(section(README, "Editors"), "sh")
     base = default_server.url.removesuffix("/v1")
     curl = shell.replace("\\\n", " ").replace("http://127.0.0.1:8080", base)
     done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
     reply = json.loads(done.stdout)
     assert reply["content"] and reply["stop"] is True and "timings" in reply and "speculative" in reply
-    assert "scripts/fim_side_by_side.py --llama-server PATH" in section
+    assert "scripts/fim_side_by_side.py --llama-server PATH" in page("editors.md")
 
 
 @pytest.mark.slow
@@ -152,9 +147,9 @@ def test_fim_side_by_side_script_runs(tmp_path, sampling):
 
 @pytest.mark.slow
 def test_concurrent_side_by_side_script_runs():
-    """The README's figures for several requests at once come from this script (edgespec's server
-    only here: llama-server is not built)."""
-    assert "scripts/concurrent_side_by_side.py --llama-server PATH" in README.replace("\n", " ")
+    """The figures for several requests at once come from this script (edgespec's server only
+    here: llama-server is not built)."""
+    assert "scripts/concurrent_side_by_side.py --llama-server PATH" in page("server.md").replace("\n", " ")
     script = Path(__file__).parents[1] / "scripts" / "concurrent_side_by_side.py"
     argv = [sys.executable, str(script), "--llama-server", "unused", "--only", "edgespec", "--repeats", "1"]
     argv += ["--max-tokens", "8", "--ctx", "1024"]
@@ -168,9 +163,9 @@ def test_concurrent_side_by_side_script_runs():
 def test_readme_agents_section(capsys, default_server):
     """The Anthropic and Responses examples run against the default pair; the claude and codex
     commands are the ones scripts/agents-bench.sh runs (it needs npm and minutes: not CI)."""
-    section = README[README.index("## Agents") : README.index("## Library")]
-    (shell,) = code_blocks(section, "sh")
-    anthropic_example, responses_example = code_blocks(section, "python")
+    agents = section(README, "Agents")
+    (shell,) = code_blocks(agents, "sh")
+    anthropic_example, responses_example = code_blocks(agents, "python")
     base = default_server.url.removesuffix("/v1")
     for example in (anthropic_example, responses_example):
         exec(compile(example.replace("http://127.0.0.1:8080", base), "README.md", "exec"), {})
@@ -185,8 +180,24 @@ def test_readme_agents_section(capsys, default_server):
 
 @pytest.mark.slow
 def test_readme_recurrent_section_command_runs():
-    section = README[README.index("## Recurrent, hybrid") : README.index("## Models")]
-    (command,) = code_blocks(section, "sh")
+    (command,) = code_blocks(section(page("models.md"), "Recurrent, hybrid"), "sh")
     done = subprocess.run(shlex.split(command.strip()), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() and "tok/s" in done.stderr.splitlines()[-1]
+
+
+def test_the_readme_is_short_and_every_link_of_the_docs_resolves():
+    """A newcomer's README (install, the quick start, a way to use it per section) stays short;
+    the pages of docs/ carry the rest, and every link between them lands on a file and heading."""
+    assert len(README.splitlines()) <= 250
+
+    def anchors(text: str) -> set[str]:
+        headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M)
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+    docs = Path(__file__).parents[1] / "docs"
+    for source in [docs.parent / "README.md", *docs.glob("*.md")]:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md|)(?:#([\w-]+))?\)", source.read_text()):
+            linked = (source.parent / target).resolve() if target else source
+            assert linked.is_file(), f"{source.name} links to {target}, which is not there"
+            assert not anchor or anchor in anchors(linked.read_text()), f"{source.name}: no #{anchor} in {target}"

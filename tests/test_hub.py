@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from fake_hub import FakeHub
+from pages import code_blocks, page, section
 from test_cli import assert_one_line_error, run
 from tiny_models import write_tiny
 
@@ -175,9 +174,8 @@ def test_a_bad_hub_name_is_one_line(fake, capsys, name, words):
 
 
 def test_the_readmes_hub_command_runs_as_written(fake, capsys, ggufs):
-    """The Models section's command, its repo served by the loopback hub (the tiny model as its Q4_K_M)."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    (shell,) = re.findall(r"```sh\n(.*?)```", readme[readme.index("## Models") :], flags=re.S)
+    """The models page's hub command, its repo served by the loopback hub (the tiny model as its Q4_K_M)."""
+    (shell,) = code_blocks(section(page("models.md"), "Models and pairs"), "sh")
     argv = shlex.split(shell.strip())
     assert argv[:2] == ["edgespec", "generate"]
     repo = HubName.parse(argv[argv.index("--target") + 1]).repo

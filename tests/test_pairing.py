@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 import shlex
-from pathlib import Path
 
 import pytest
 from fake_hub import FakeHub
+from pages import page
 from test_cli import run
 from test_hub import REPO, WHOLE, ggufs  # noqa: F401  (a fixture)
 
@@ -100,11 +100,11 @@ def test_a_family_draft_is_fetched_from_the_hub_where_none_is_downloaded(home, c
 
 
 def test_the_readmes_drafts_for_example_is_what_it_prints(home, capsys):
-    """The Models section's `--drafts-for` example, on a cache of the registry's four models."""
+    """The models page's `--drafts-for` example, on a cache of the registry's four models."""
     home.have("smollm2-135m", "gemma-3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    start = readme.index("$ edgespec models --drafts-for")
-    example = readme[start : readme.index("```", start)]
+    models = page("models.md")
+    start = models.index("$ edgespec models --drafts-for")
+    example = models[start : models.index("```", start)]
     command, *printed = example.strip().splitlines()
     argv = shlex.split(command.removeprefix("$ "))
     code, out, err = run(capsys, *argv[1:])
