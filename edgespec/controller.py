@@ -31,7 +31,7 @@ import numpy as np
 
 from .cost_curve import expected_tokens
 from .costs import DECAY, RoundCosts
-from .drafters import Branching, CopyDrafter, Draft, Drafter, GrammarDrafter, ModelDrafter
+from .drafters import Branching, CopyDrafter, Draft, Drafter, GrammarDrafter
 from .drafters.base import MAX_SIBLINGS
 from .drafters.copy import Alternative, branched
 from .drafters.recall import MemoryDrafter
@@ -259,7 +259,7 @@ class Controller:
         self.drafters = {s: available[s] for s in self.mode.sources if available[s] is not None}
         # whose acceptance the engine's drafter learns: the draft model's, or the target's heads' (a
         # drafter of the user's may not say: a model's)
-        self.model_key = getattr(drafters.model, "source", Source.MODEL)
+        self.model_key = drafters.model.source if drafters.model is not None else Source.MODEL
         if self.mode is DraftMode.AUTO and Source.MODEL in self.drafters and not self._model_can_pay(MODEL_GATE_ALPHA):
             del self.drafters[Source.MODEL]  # it would lose here whatever it drafts: not run, not prefilled
         self.acceptance: dict[AcceptanceKey, Acceptance] = {}
@@ -283,10 +283,7 @@ class Controller:
             if missing * self.costs.draft_prefill_per_token() > room * self._model_saving(MODEL_GATE_ALPHA):
                 del self.drafters[Source.MODEL]
         for drafter in self.drafters.values():
-            if isinstance(drafter, ModelDrafter):
-                yield from drafter.begin_steps(prompt, chunk)
-            else:
-                drafter.begin(prompt)
+            yield from drafter.begin_steps(prompt, chunk)
 
     def _model_per_token(self, alpha: float) -> float:
         """Seconds per answer token with the draft model at its best γ at α."""
@@ -444,15 +441,13 @@ class Controller:
             # what its extra cost (one draft step + the verify batch growing) earns at this plan's rate
             step, verify = self.costs.draft_step(), self.costs.in_batch
             stop_below = [plan.rate * (step + verify(i + 2) - verify(i + 1)) for i in range(plan.gamma)]
-            if self.trees and grammar is None and getattr(drafter, "branches", False):
+            if self.trees and grammar is None and drafter.branches:
                 # the shape from the machine: a sibling is verified where its chance of being the
                 # target's token beats what one more token in the pass costs at this rate (where V
                 # is steep, a CPU's, that is a large part of a step: the chain stays a chain)
                 draft_pass = self.costs.draft_pass
                 tree = {"branching": self._branching(plan, self.model_key, lambda k: plan.rate * draft_pass(k))}
-        if isinstance(drafter, ModelDrafter):  # its passes handed out
-            return (yield from drafter.draft_steps(context, plan.gamma, params, rng, stop_below, grammar, **tree))
-        return drafter.draft(context, plan.gamma, params, rng, stop_below, grammar=grammar, **tree)
+        return (yield from drafter.draft_steps(context, plan.gamma, params, rng, stop_below, grammar, **tree))
 
     def observe(
         self,

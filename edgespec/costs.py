@@ -33,7 +33,7 @@ from time import perf_counter
 
 from . import calibration
 from .cost_curve import UNSPREAD, BatchSpread, CostCurve, RollbackCost, expected_tokens
-from .drafters import Drafter, HeadsDrafter
+from .drafters import Drafter
 from .heads import Heads
 from .model import Model
 from .modes import Source
@@ -323,7 +323,7 @@ class MachineCosts:
     def draft_step(self, drafter: Drafter | None) -> CostCurve | None:
         """What a step of `drafter` costs here (None: it runs no model, as the copies): the draft
         model's curve, or the target's MTP layers' step; cached, else measured now."""
-        if isinstance(drafter, HeadsDrafter):
+        if drafter is not None and drafter.heads is not None:
             if drafter.heads not in self._heads:
                 self._heads[drafter.heads] = calibration.load_or_measure_heads(drafter.heads)
             return self._heads[drafter.heads]

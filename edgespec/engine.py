@@ -10,7 +10,7 @@ from time import monotonic, perf_counter
 from . import calibration
 from .controller import Controller, Drafters
 from .costs import MachineCosts, Recheck, answers_side_by_side
-from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter, HeadsDrafter, MemoryDrafter
+from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter, MemoryDrafter
 from .errors import EdgespecError
 from .fim import FimPrompt
 from .logprobs import TokenLogprob
@@ -92,9 +92,7 @@ class Engine:
     def draft_name(self) -> str | None:
         """What drafts besides the copies, as the shells name it: the draft model's file, the
         target's own MTP heads, or None."""
-        if isinstance(self.drafter, HeadsDrafter):
-            return "its own MTP heads"
-        return self.draft_model.path.name if self.draft_model is not None else None
+        return self.drafter.name if self.drafter is not None else None
 
     def upkeep(self, until: float | None = None) -> None:
         """The idle work there is: time again the costs the last answers found stale, and read
@@ -308,8 +306,8 @@ class Engine:
         self.costs.save()
         if self.memory is not None:
             self.memory.save_or_say()
-        if isinstance(self.drafter, HeadsDrafter):  # (a context on the target's weights: freed before them)
-            self.drafter.heads.close()
+        if self.drafter is not None:
+            self.drafter.close()
         for model in self._owned:
             model.close()
 

@@ -24,7 +24,7 @@ from .passes import ContextFull, Pass
 from .request import Request
 from .sampling import Constraint, Law, SamplingParams, law, position_uniforms, verify_tree, verify_tree_greedy
 from .sequences import Sequences
-from .stats import RoundTiming, Stats, trailing_repeat
+from .stats import RoundClock, Stats, trailing_repeat
 from .suffixes import DEPTH
 from .text import TextStream
 
@@ -257,29 +257,28 @@ class Run:
             if constraint is not None and constraint.finished():  # only an end may follow: the target would pick one
                 yield [NewToken(target.eos, False, None)]
                 return
-            t0 = perf_counter()
+            clock = RoundClock()
             # the controller picks a drafter and γ (or none); drafts past the context or the budget are wasted
             room = min(target.n_ctx - len(seq), self.limit - len(seq) - 1)
             plan = controller.plan(seq, room, constraint)
-            t_plan = perf_counter()
+            clock.mark("draft")
             draft, drafting = yield from _own_time(controller.draft(plan, seq, params, self.rng, constraint))
-            self.enter()  # (other runs' steps may have come between its draft model's passes)
-            t1 = perf_counter()
-            beside = (t1 - t_plan) - drafting  # the other runs' steps while its draft model's passes waited
+            clock.mark("draft", own=drafting)  # (other runs' steps may have come between its draft model's passes)
+            self.enter()
 
             # a recurrent state cannot be cut back: keep a way back before a pass that may be rejected
             if draft.tokens:
                 target.cache.checkpoint(len(draft.tokens) + 1)
             rereads = len(seq) - 1 - len(target.tokens)
-            t_pass = perf_counter()
+            clock.mark("rollback")
 
             # ONE target forward over [last token, x_1..x_γ]: row i is p(. | seq, x_1..x_i); after a recurrent
             # target's rollback its kept tokens come first (the cache holds seq[:-1], or less: see below). A tree
             # of drafts: row i + 1 is p(. | seq, node i's branch down to it), every branch in the same pass
             tokens = seq[len(target.tokens) :] + draft.tokens
             target_pass = yield from self._pass(tokens, len(draft.tokens) + 1, draft.parents)
+            clock.mark("verify", own=target_pass.seconds)  # its decode's time (other runs' steps between are theirs)
             logits = target_pass.logits
-            t_decoded = perf_counter()
             rows = TargetRows(logits, params, target, constraint, draft.tokens)
             if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
                 kept, next_token = verify_tree_greedy(draft.tokens, draft.parents, rows.argmax)
@@ -288,11 +287,11 @@ class Run:
                 kept, next_token = verify_tree(draft.tokens, draft.parents, draft.q, rows.p, uniforms)
             n = len(kept)
             rows.advance(n, next_token)
-            t2 = perf_counter()
             new = [draft.tokens[i] for i in kept] + [next_token]
-            # (read before the cut; not the round's time)
+            clock.mark("verify")
+            # (read before the cut)
             logprobs = self._logprobs(logits if draft.parents is None else logits[[0, *(i + 1 for i in kept)]], new)
-            t3 = perf_counter()
+            clock.mark(None)
 
             # drop the rejected drafts from the target's cache (the drafter trims its own); a recurrent state may
             # go back further, to its checkpoint: the kept tokens after it open the next pass, not one of their own
@@ -300,15 +299,9 @@ class Run:
                 target.cache.keep(kept)
             target.cache.cut(len(seq) + n)
             seq += new
-            rollback = (t_pass - t1) + (perf_counter() - t3)
-            # the verify pass is its decode's time (the other runs' steps between are theirs)
-            timing = RoundTiming(
-                t1 - t0 - beside, target_pass.seconds + t2 - t_decoded, rollback, rereads, target_pass.beside
-            )
-            report = controller.observe(plan, draft, n, timing, seq, kept)
-            # its own time: the other runs' steps while it waited for its decodes are theirs
-            own = (t_pass - t0 - beside) + target_pass.seconds + (perf_counter() - t_decoded) - (t3 - t2)
-            self.stats.record(report, own)
+            clock.mark("rollback")
+            report = controller.observe(plan, draft, n, clock.timing(rereads, target_pass.beside), seq, kept)
+            self.stats.record(report, clock.own)
             yield [
                 NewToken(token, i < n, logprob) for i, (token, logprob) in enumerate(zip(new, logprobs, strict=True))
             ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from time import perf_counter
 
 import numpy as np
 
@@ -77,6 +78,33 @@ class RoundTiming:
     @property
     def total(self) -> float:
         return self.draft + self.verify + self.rollback
+
+
+class RoundClock:
+    """Where a round's time goes: each mark() charges a part (draft, verify, rollback, or one left
+    out) with the time since the last mark, or with `own` seconds where other runs' steps came
+    between (the part's passes waited for theirs: that time is theirs)."""
+
+    PARTS = ("draft", "verify", "rollback")
+
+    def __init__(self) -> None:
+        self.last = perf_counter()
+        self.spent = dict.fromkeys(self.PARTS, 0.0)
+
+    def mark(self, part: str | None, own: float | None = None) -> None:
+        """part None: time that is not the round's (log-probabilities read for the caller)."""
+        now = perf_counter()
+        if part is not None:
+            self.spent[part] += now - self.last if own is None else own
+        self.last = now
+
+    @property
+    def own(self) -> float:
+        """The round's own seconds, all parts."""
+        return sum(self.spent.values())
+
+    def timing(self, rereads: int, beside: tuple[tuple[int, int], ...]) -> RoundTiming:
+        return RoundTiming(self.spent["draft"], self.spent["verify"], self.spent["rollback"], rereads, beside)
 
 
 @dataclass(frozen=True)

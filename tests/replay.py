@@ -145,7 +145,7 @@ def controller_on(
     return Controller(DraftMode(mode), Gamma(gamma), costs, Drafters(copy, model), seed, trees=trees)
 
 
-class RecordedDraftModel:
+class RecordedDraftModel(Drafter):
     """The draft model as the recording saw it: drafts the answer's next tokens while its argmax
     agreed with the target, then wrong tokens; stops where its confidence says to (stop_below).
     Given branching, its next likeliest tokens are siblings where their confidence (weighed by
@@ -153,17 +153,10 @@ class RecordedDraftModel:
     that rank, else a wrong one."""
 
     WRONG = -1  # a token no answer holds (-1 - rank: a wrong sibling)
-    model = None
     branches = True
 
     def __init__(self, recorded: Recorded) -> None:
         self.recorded = recorded
-
-    def begin(self, prompt: list[int]) -> None:
-        pass
-
-    def accept(self, context: list[int]) -> None:
-        pass
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None, branching=None) -> Draft:
         at, r = len(context) - len(self.recorded.prompt), self.recorded

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from replay import controller_on
 
-from edgespec import Draft, Engine, Model, ModelDrafter, SamplingParams, calibration, cost_curve, store
+from edgespec import Draft, Drafter, Engine, Model, ModelDrafter, SamplingParams, calibration, cost_curve, store
 from edgespec.calibration import CostCurve
 from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
 from edgespec.cost_curve import BatchSpread
@@ -22,19 +22,11 @@ from edgespec.passes import decoded_alone
 from edgespec.stats import RoundReport, RoundTiming
 
 
-class StubModelDrafter:
+class StubModelDrafter(Drafter):
     """Stands in for a draft model in controller tests: proposes a fixed token."""
-
-    model = None
 
     def __init__(self):
         self.calls = []
-
-    def begin(self, prompt):
-        pass
-
-    def accept(self, context):
-        pass
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None):
         self.calls.append((n, tuple(stop_below)))

@@ -13,7 +13,7 @@ from conftest import GpuCosts
 from reference import assert_first_token_law, assert_greedy_as_llama
 
 import edgespec
-from edgespec import Draft, DraftMode, EdgespecError, Engine, Model, ModelDrafter, Request, SamplingParams
+from edgespec import Draft, Drafter, DraftMode, EdgespecError, Engine, Model, ModelDrafter, Request, SamplingParams
 from edgespec.resolve import resolve_model
 
 PROMPTS = [
@@ -24,19 +24,11 @@ PROMPTS = [
 GREEDY = dict(temperature=0, max_tokens=48)
 
 
-class RandomDrafter:
+class RandomDrafter(Drafter):
     """A deliberately bad drafter: uniformly random tokens, deterministic (point masses)."""
 
     def __init__(self, n_vocab: int, seed: int = 0) -> None:
         self.n_vocab, self.rng = n_vocab, np.random.default_rng(seed)
-
-    model = None
-
-    def begin(self, prompt):
-        pass
-
-    def accept(self, context):
-        pass
 
     def draft(self, context, n, params, rng, stop_below=(), grammar=None):
         return Draft(self.rng.integers(0, self.n_vocab, n).tolist())

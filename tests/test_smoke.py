@@ -14,7 +14,7 @@ from test_cli import assert_one_line_error, run
 from test_tui import send
 
 import edgespec
-from edgespec import Draft, Engine, Model
+from edgespec import Draft, Drafter, Engine, Model
 from edgespec.modes import MODES
 from tui.app import ChatApp
 
@@ -159,10 +159,8 @@ def test_chat_bad_settings_fail_before_the_app_starts(capsys, monkeypatch, extra
 # --- the library ----------------------------------------------------------------
 
 
-class RepeatLastDrafter:
-    """A custom drafter (any object of edgespec.Drafter's shape): proposes the last token again."""
-
-    model = None  # free: it runs no model
+class RepeatLastDrafter(Drafter):
+    """A custom drafter (a subclass of edgespec.Drafter): proposes the last token again."""
 
     def begin(self, prompt):
         self.begun = len(prompt)

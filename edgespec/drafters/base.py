@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
+from ..heads import Heads
 from ..model import TREE_BRANCHES, Model
 from ..modes import Source
 from ..passes import Pass
@@ -51,10 +51,21 @@ class Draft:
         return max(depths, default=0)
 
 
-class Drafter(Protocol):
-    """begin(prompt), then per round draft(...) and accept(context)."""
+class Drafter:
+    """begin(prompt), then per round draft(...) and accept(context): every drafter subclasses it
+    (a user's too). The engine takes each drafter's passes the same way, from begin_steps and
+    draft_steps: a drafter that runs a model hands its passes out there, to be decoded beside other
+    requests'; the others' steps are their plain calls."""
 
-    model: Model | None  # the model it runs (None: a free drafter, which costs nothing to run)
+    model: Model | None = None  # the model it runs (None: a free drafter, which costs nothing to run)
+    heads: Heads | None = None  # the target's MTP layers it runs instead (their step is priced apart)
+    source: Source = Source.MODEL  # what its drafts are learnt as, where it is the engine's drafter
+    branches: bool = False  # it may draft a tree where it is unsure (given `branching`, see draft)
+
+    @property
+    def name(self) -> str | None:
+        """What drafts, as the shells name it: its model's file (None: no model)."""
+        return self.model.path.name if self.model is not None else None
 
     def begin(self, prompt: list[int]) -> None:
         """Get ready to draft after the request's prompt (timed as prefill)."""
@@ -76,9 +87,23 @@ class Drafter(Protocol):
         that samples draws from its law (constraint.law), so that min(1, p_g/q_g) stays
         exact. A drafter whose `branches` attribute is true may also be given `branching` (a
         Branching), and then draft a tree (Draft.parents, Draft.chances; see Chain)."""
+        raise NotImplementedError
 
     def accept(self, context: list[int]) -> None:
         """A round is over: `context` is the sequence now (the drafts the target kept, and its token)."""
+
+    def begin_steps(self, prompt: list[int], chunk: int | None = None) -> Generator[Pass, None, None]:
+        """begin(), its passes handed out, `chunk` tokens at most each (a free drafter has none)."""
+        self.begin(prompt)
+        yield from ()
+
+    def draft_steps(self, context, n, params, rng, stop_below=(), grammar=None, **tree) -> Generator[Pass, None, Draft]:
+        """draft(), its passes handed out (a free drafter has none)."""
+        yield from ()
+        return self.draft(context, n, params, rng, stop_below, grammar=grammar, **tree)
+
+    def close(self) -> None:
+        """Free what it holds beside its model (the engine closes the models it owns)."""
 
 
 MAX_SIBLINGS = 3  # a tree's alternatives to a chain token, at most

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..model import TREE_BRANCHES, Model
 from ..modes import Source
-from .base import Branching, Draft, leaves
+from .base import Branching, Draft, Drafter, leaves
 
 CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
 SOURCE_NAMES = (Source.COPY, Source.PREDICTION)  # what a copy draft reports as its source, per source
@@ -176,7 +176,7 @@ class Lookup:
     evidence: int
 
 
-class CopyDrafter:
+class CopyDrafter(Drafter):
     """Copies ahead from source texts, aligned to each the way a diff aligns two files.
 
     One per request. Sources: the context (prompt and output so far) and a predicted output
@@ -195,8 +195,6 @@ class CopyDrafter:
     An alignment's `evidence` (tokens agreed since it was set) tells the controller how far to
     trust its draft. A prediction starts with PREDICTION_CREDIT of it, the client's word (and with
     the fence the prompt quotes it in, if it does: the answer will open with it too)."""
-
-    model = None  # free: it runs no model
 
     def __init__(
         self,

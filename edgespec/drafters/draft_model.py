@@ -10,16 +10,15 @@ import numpy as np
 from ..model import Model
 from ..modes import Source
 from ..passes import Pass, decoded_alone
-from .base import Chain, Draft
+from .base import Chain, Draft, Drafter
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts with a small model sharing the target's tokenizer. Its passes are handed out
     (begin_steps, draft_steps: each a model.Pass of the draft model) so that a scheduler decodes
     them with other runs' draft passes, every sequence's step reading the weights once; begin and
     draft decode them alone."""
 
-    source = Source.MODEL
     branches = True  # it drafts trees where it is unsure (Chain.branching)
 
     def __init__(self, model: Model, target_vocab: int) -> None:

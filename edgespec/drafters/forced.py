@@ -5,16 +5,14 @@ from __future__ import annotations
 from ..grammar import MAX_FORCED_CHARS
 from ..model import Model
 from ..modes import Source
-from .base import Draft
+from .base import Draft, Drafter
 
 
-class GrammarDrafter:
+class GrammarDrafter(Drafter):
     """Drafts what the grammar forces: where it allows one continuation only (a schema's
     keys, JSON punctuation, closing brackets), that text's tokens, as a point mass. Free
     (no model runs); the target still verifies them, since it may split the text into
     other tokens than the tokenizer does alone."""
-
-    model = None  # free: it runs no model
 
     def __init__(self, vocab: Model, max_chars: int = MAX_FORCED_CHARS) -> None:
         self.vocab = vocab

@@ -23,11 +23,10 @@ import numpy as np
 
 from ..heads import Heads
 from ..hidden_states import HiddenStates
-from ..model import Model
 from ..modes import Source
 from ..passes import Pass, decoded_alone
 from ..prompt_cache import common_prefix
-from .base import Chain, Draft
+from .base import Chain, Draft, Drafter
 
 
 @dataclass
@@ -40,10 +39,9 @@ class Written:
     hidden: HiddenStates | None = None
 
 
-class HeadsDrafter:
+class HeadsDrafter(Drafter):
     """Drafts with the target's MTP layers (see the module docstring)."""
 
-    model: Model | None = None  # no model of its own: its step is priced apart (MachineCosts.draft_step)
     source = Source.HEADS
     branches = True  # it drafts trees where it is unsure (Chain.branching): its next likeliest tokens
 
@@ -51,6 +49,13 @@ class HeadsDrafter:
         self.heads = heads
         self.target = heads.target
         self._written = [Written() for _ in range(self.target.n_seq)]
+
+    @property
+    def name(self) -> str:
+        return "its own MTP heads"  # no model of its own: its step is priced apart (MachineCosts.draft_step)
+
+    def close(self) -> None:
+        self.heads.close()  # (a context on the target's weights: freed before them)
 
     def begin(self, prompt: list[int]) -> None:
         """The prompt's positions the target has decoded, written (the target's last token is read

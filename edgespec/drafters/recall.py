@@ -12,7 +12,7 @@ import numpy as np
 
 from ..memory import Memory
 from ..modes import Source
-from .base import Draft
+from .base import Draft, Drafter
 from .copy import Alternative, CopyOutcome
 
 SHORTEST_MATCH = 4  # a context's end shorter than this, found in millions of tokens, says little
@@ -62,15 +62,13 @@ class Parted:
     matched: int
 
 
-class MemoryDrafter:
+class MemoryDrafter(Drafter):
     """One per request: reads the engine's memory, never the request's own text (the copy
     drafter owns the context): the recent sequences the prompt continues, its conversation's
     earlier turns, are left out. Like a copy, its acceptance is learnt from every token the
     target writes after a recall (outcomes()), drafted or not. Where the target parts from a
     recalled text (it writes another value into an answer of the same shape), the text is found
     again a few tokens on, as a copy's alignment is (see NEAR)."""
-
-    model = None  # free: it runs no model
 
     def __init__(self, memory: Memory, max_tokens: int = 64) -> None:
         self.memory, self.max_tokens = memory, max_tokens
