@@ -15,7 +15,7 @@ from .base import Chain, Draft, Drafter
 
 class ModelDrafter(Drafter):
     """Drafts with a small model sharing the target's tokenizer. Its passes are handed out
-    (begin_steps, draft_steps: each a model.Pass of the draft model) so that a scheduler decodes
+    (begin_steps, draft_steps: each a passes.Pass of the draft model) so that a scheduler decodes
     them with other runs' draft passes, every sequence's step reading the weights once; begin and
     draft decode them alone."""
 
