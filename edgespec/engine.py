@@ -19,7 +19,7 @@ from .model import Model
 from .modes import DraftMode, Gamma, adaptive, check_mode, draft_modes
 from .passes import Pass
 from .prompts import Prompts
-from .request import Prompt, Request
+from .request import Defaults, Prompt, Request
 from .run import PREFILL_CHUNK, Event, Run
 from .sequences import Sequences
 from .stats import Stats
@@ -70,8 +70,9 @@ class Engine:
         (calibration.Timer). memory: what earlier requests read and wrote (memory.py), drafted
         from and added to by every request that does not say otherwise (Request.memory); saved
         when idle and at close()."""
-        self.draft_mode = check_mode(draft_mode, has_model=drafter is not None)
-        self.gamma = Gamma.of(gamma) if gamma is not None else Gamma()
+        # what requests get for what they leave unset (a server adds its own: Api)
+        gamma = Gamma.of(gamma) if gamma is not None else Gamma()
+        self.defaults = Defaults(check_mode(draft_mode, has_model=drafter is not None), gamma)
         self.target = target
         self.drafter = drafter
         self.forced = GrammarDrafter(target)
@@ -188,7 +189,7 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> Run:
         """start()'s Run; layout: a fill-in-the-middle prompt as given (idle work reading a head)."""
-        request = request.settled(self.draft_mode, self.gamma)
+        request = request.settled(self.defaults)
         check_mode(request.draft_mode, has_model=self.drafter is not None)
         prepared = self.prompts.prepare(request, layout)
         copy = CopyDrafter(vocab=self.target, prediction=prepared.prediction, conversation=self.conversation)

@@ -34,6 +34,18 @@ class RequestError(EdgespecError):
 
 
 @dataclass(frozen=True)
+class Defaults:
+    """What a request gets for a setting it leaves unset: the engine's draft mode and γ, and a
+    server's cap on an answer's length and its temperature (None: no cap; the request's own
+    temperature, llama.cpp's default where it set none)."""
+
+    draft_mode: DraftMode = DraftMode.AUTO
+    gamma: Gamma = Gamma()
+    max_tokens: int | None = None
+    temperature: float | None = None
+
+
+@dataclass(frozen=True)
 class Request:
     """What to answer and how.
 
@@ -78,7 +90,9 @@ class Request:
     trees: whether a round may verify a tree of drafts (Controller) where the machine's costs
     say one pays; False: chains only (to compare them).
     memory: whether the engine's memory (memory.py) drafts for this request and keeps its prompt
-    and answer when it ends; False: neither (the request leaves no trace there)."""
+    and answer when it ends; False: neither (the request leaves no trace there).
+    sets_temperature: False where a client left the temperature unset (an API body without
+    one), so that a server's default temperature (Defaults.temperature) is the one used."""
 
     prompt: Prompt
     sampling: SamplingParams = DEFAULT_SAMPLING
@@ -100,6 +114,7 @@ class Request:
     heal: bool | None = None
     trees: bool = True
     memory: bool = True
+    sets_temperature: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: the checked values are set once, here
@@ -224,9 +239,18 @@ class Request:
         # (the prompt is scored once)
         return replace(self, sampling=sampling, prediction=prediction, line_deadline_s=deadline, prompt_logprobs=False)
 
-    def settled(self, draft_mode: DraftMode, gamma: Gamma) -> Request:
-        """This request with the engine's defaults for what it leaves unset."""
-        return replace(self, draft_mode=self.draft_mode or draft_mode, gamma=self.gamma or gamma)
+    def settled(self, defaults: Defaults) -> Request:
+        """This request with the engine's defaults (and a server's) for what it leaves unset."""
+        sampling = self.sampling
+        if not self.sets_temperature and defaults.temperature is not None:
+            sampling = replace(sampling, temperature=defaults.temperature)
+        return replace(
+            self,
+            sampling=sampling,
+            max_tokens=self.max_tokens if self.max_tokens is not None else defaults.max_tokens,
+            draft_mode=self.draft_mode or defaults.draft_mode,
+            gamma=self.gamma or defaults.gamma,
+        )
 
     @property
     def calls_tools(self) -> bool:

@@ -125,7 +125,7 @@ def test_readme_editors_section(default_server):
     done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
     reply = json.loads(done.stdout)
     assert reply["content"] and reply["stop"] is True and "timings" in reply and "speculative" in reply
-    assert "scripts/fim_side_by_side.py --llama-server PATH" in page("editors.md")
+    assert "scripts/fim_side_by_side.py --llama-server PATH" in page("benchmarks.md")
 
 
 @pytest.mark.slow
@@ -149,7 +149,7 @@ def test_fim_side_by_side_script_runs(tmp_path, sampling):
 def test_concurrent_side_by_side_script_runs():
     """The figures for several requests at once come from this script (edgespec's server only
     here: llama-server is not built)."""
-    assert "scripts/concurrent_side_by_side.py --llama-server PATH" in page("server.md").replace("\n", " ")
+    assert "scripts/concurrent_side_by_side.py --llama-server PATH" in page("benchmarks.md").replace("\n", " ")
     script = Path(__file__).parents[1] / "scripts" / "concurrent_side_by_side.py"
     argv = [sys.executable, str(script), "--llama-server", "unused", "--only", "edgespec", "--repeats", "1"]
     argv += ["--max-tokens", "8", "--ctx", "1024"]
@@ -157,6 +157,17 @@ def test_concurrent_side_by_side_script_runs():
     assert done.returncode == 0, done.stderr
     for case in ("infill during a chat", "2 chats", "4 chats"):
         assert re.search(rf"^{case} +edgespec +[\d.]+ +[\d.]+ +[\d.]+x", done.stdout, re.M), done.stdout
+
+
+def test_memory_lookup_script_runs():
+    """The memory's lookup figures come from this script (on a small index here)."""
+    assert "scripts/memory_lookup.py --tokens 10000000" in page("benchmarks.md")
+    script = Path(__file__).parents[1] / "scripts" / "memory_lookup.py"
+    argv = [sys.executable, str(script), "--tokens", "20000", "--lookups", "200"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^lookup \+ continuations: p50 [\d.]+ ms, p90 [\d.]+ ms", done.stdout, re.M), done.stdout
+    assert re.search(r"^a 1,000-token answer inserted in \d+ ms", done.stdout, re.M), done.stdout
 
 
 @pytest.mark.slow

@@ -19,6 +19,8 @@ from reference import assert_greedy_as_llama
 
 import edgespec
 from edgespec import Request, Stats
+from edgespec.modes import DraftMode, Gamma
+from edgespec.request import Defaults
 from edgespec.run import Event
 from edgespec.server.answers import Answer, Job
 
@@ -68,6 +70,17 @@ def engine(smollm2_path):
     and kernel choices): what the server's answers must equal."""
     with edgespec.load("smollm2-self", n_ctx=CTX) as e:
         yield e
+
+
+def test_a_servers_defaults_fill_only_what_a_request_leaves_unset():
+    """Request.settled: the engine's draft mode and γ, serve's --max-tokens and --temperature
+    where the request (an API body without them) left them unset; a request's own win."""
+    defaults = Defaults(DraftMode.COPY, Gamma(3), max_tokens=7, temperature=0.0)
+    unset = Request("hi", sets_temperature=False).settled(defaults)
+    assert (unset.sampling.temperature, unset.max_tokens, unset.draft_mode, unset.gamma) == (0.0, 7, "copy", Gamma(3))
+    own = Request.of("hi", temperature=1.2, max_tokens=3, draft_mode="off", gamma=2).settled(defaults)
+    assert (own.sampling.temperature, own.max_tokens, own.draft_mode, own.gamma) == (1.2, 3, "off", Gamma(2))
+    assert Request("hi").settled(Defaults()).sampling.temperature == edgespec.SamplingParams().temperature
 
 
 def test_chat_equals_the_library_answer(server, engine):

@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse
 
@@ -63,12 +63,6 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     events: list[asyncio.Queue] = field(default_factory=list)  # one per answer
-
-    def capped(self, max_tokens: int | None) -> Job:
-        """This job with the server's cap on an answer whose request sets no limit."""
-        if self.request.max_tokens is not None or max_tokens is None:
-            return self
-        return replace(self, request=replace(self.request, max_tokens=max_tokens))
 
     def send(self, item, index: int = 0) -> None:
         """From the worker thread to the request's handler: an event of answer `index`."""

@@ -21,8 +21,10 @@ def sampling_of(body: dict) -> SamplingParams:
 
 def own_fields(body: dict) -> dict:
     """edgespec's own fields of an API request body, as Request's keywords (which checks them):
-    draft_mode, gamma and heal (token healing, where the prompt is raw text or an infill)."""
-    return {"draft_mode": body.get("draft_mode"), "gamma": body.get("gamma"), "heal": json_field(body, "heal", (bool,))}
+    draft_mode, gamma and heal (token healing, where the prompt is raw text or an infill); and
+    whether it sets the temperature (else a server's default applies: Defaults.temperature)."""
+    own = {"draft_mode": body.get("draft_mode"), "gamma": body.get("gamma"), "heal": json_field(body, "heal", (bool,))}
+    return own | {"sets_temperature": body.get("temperature") is not None}
 
 
 def text_of(content, param: str, parts: tuple[str, ...] = ("text",)) -> str:

@@ -23,6 +23,7 @@ import json
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from functools import partial
 from time import perf_counter
 
@@ -192,12 +193,13 @@ class Api:
         default; Anthropic's SDK, and so Claude Code, sends none). metrics: GET /metrics
         (Prometheus' text format, see metrics.py)."""
         self.worker, self.model_name, self.draft_name, self.api_key = worker, model_name, draft_name, api_key
-        self.max_tokens, self.temperature, self.metrics = max_tokens, temperature, metrics
+        self.metrics = metrics
         self.chat = OpenAIChat(model_name, chat=True)
         self.completion = OpenAIChat(model_name, chat=False)
         self.messages = anthropic_api.Messages(model_name)
         self.responses = Responses(model_name)
         engine = worker.wait_loaded()
+        engine.defaults = replace(engine.defaults, max_tokens=max_tokens, temperature=temperature)
         n_ctx = engine.target.n_ctx
         if draft_name in (None, "auto", "heads"):  # what was found: a draft model's file, or the target's heads
             self.draft_name = engine.draft_name
@@ -273,9 +275,7 @@ class Api:
         watcher = None
         try:
             body = await _json_body(request)
-            if self.temperature is not None and body.get("temperature") is None:  # the same field in every API
-                body["temperature"] = self.temperature
-            job = dialect.job(body).capped(self.max_tokens)
+            job = dialect.job(body)
             self.worker.submit(job)
             watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
             started = await job.events[0].get()  # the Run once the request is checked

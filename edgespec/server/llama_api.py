@@ -203,7 +203,7 @@ class LlamaServer(Dialect):
         }
 
     def _result(self, answer: Answer, content: str, *, has_new_line: bool) -> dict:
-        stats, request = answer.stats, answer.job.request
+        stats, request = answer.stats, answer.run.request
         sampling = request.sampling
         settings = {
             "n_ctx": self.n_ctx,  # llama.vscode shows it

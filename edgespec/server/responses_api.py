@@ -159,7 +159,7 @@ class Responses(Dialect):
         return ResponsesJob(request, stream, history=history, store=store)
 
     def _response(self, answer: Answer, output: list[dict], *, done: bool) -> dict:
-        request, stats = answer.job.request, answer.stats
+        request, stats = answer.run.request, answer.stats
         incomplete = done and not answer.calls and stats.finish_reason in ("length", "context")
         status = "in_progress" if not done else "incomplete" if incomplete else "completed"
         sampling = request.sampling
