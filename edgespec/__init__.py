@@ -20,6 +20,7 @@ _MODULES = {
     "Generation": "engine",
     "EngineThread": "engine_thread",
     "EdgespecError": "errors",
+    "EngineFault": "errors",
     "Chunk": "fim",
     "Infill": "fim",
     "PairInfo": "loader",

@@ -1,13 +1,16 @@
-"""The cache folder (models, calibration.json, locks) and the locks that keep processes
-sharing it (a server, a command-line run, a pull) out of each other's way."""
+"""The cache folder (models, calibration.jsonl, prompts, memories, locks), the locks that keep
+processes sharing it (a server, a command-line run, a pull) out of each other's way, and the
+one way its files are written: whole or not at all."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 
 def cache_dir() -> Path:
@@ -15,6 +18,23 @@ def cache_dir() -> Path:
         return Path(home)
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "edgespec"
+
+
+def replace_atomically(path: Path, write: Callable[[BinaryIO], None], mode: int = 0o644) -> None:
+    """`path` replaced by what `write` writes, whole or not at all: into a temporary file beside
+    it (`mode`: 0o600 for what only this user may read), flushed to the disk, then renamed over
+    it; a process killed on the way leaves the old file, and a temporary named
+    .NAME.PID.tmp that its owner's next save may remove."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @contextmanager

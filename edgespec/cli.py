@@ -38,7 +38,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         "--ctx",
         type=int,
         help="context size in tokens (default: the model's trained context, capped so that the KV caches"
-        " take at most a quarter of memory)",
+        " take at most a quarter of memory; serve's --parallel requests split it)",
     )
     g.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     g.add_argument("--gpu-layers", type=int, default=0, help="layers to offload on Metal/CUDA builds")
@@ -342,7 +342,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     context = f"context {engine.target.n_ctx} tokens (trained {engine.target.n_ctx_train})"
     if args.parallel > 1:
         cache_mib = sum(m.kv_bytes_per_token * m.n_ctx * m.n_seq for m in engine.models) >> 20
-        context += f" for each of up to {args.parallel} requests answered at once (KV caches ~{cache_mib} MiB)"
+        context += (
+            f" for each of up to {args.parallel} requests answered at once (KV caches ~{cache_mib} MiB;"
+            f" a longer prompt: --ctx N, each request's, or --parallel 1 for one request with it all)"
+        )
     print(f"edgespec serve: {target}{drafted}, {context}", file=sys.stderr)
     print(f"  OpenAI API at {url} (chat completions, completions, responses; Ctrl+C stops)", file=sys.stderr)
     print(
@@ -467,8 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_PARALLEL,
         metavar="N",
-        help=f"requests answered at once (default {DEFAULT_PARALLEL}, as llama-server), each with a whole --ctx"
-        " of its own (N times the KV memory); editors' completions go first, and the rest wait their turn;"
+        help=f"requests answered at once (default {DEFAULT_PARALLEL}, as llama-server), each in cells of its own:"
+        " the default context split among them, as llama-server's slots split theirs, or a whole --ctx each"
+        " (N times the KV memory); editors' completions go first, and the rest wait their turn;"
         " draft trees only with 1",
     )
     v.add_argument(

@@ -143,11 +143,14 @@ class RoundCosts:
         verify_rollback: RollbackCost | None = None,
         draft_rollback: RollbackCost | None = None,
         spread: BatchSpread = UNSPREAD,
+        stale: str = "",
     ) -> None:
         """verify: V(k) of the target; draft_step: the draft model's curve (None: no draft model,
         or one of unknown cost, counted free); the rollbacks: what cutting the target's and the
         draft model's recurrent states back costs (None: attention alone, a cut is free);
-        spread: what a target pass spread over several sequences costs beyond V."""
+        spread: what a target pass spread over several sequences costs beyond V; stale: why the
+        curves could not be timed again when due (MachineCosts.renewal_failed; "": they were)."""
+        self.stale = stale
         self._verify, self._draft = verify, draft_step
         self._verify_rollback, self._draft_rollback = verify_rollback, draft_rollback
         self._spread = spread
@@ -301,6 +304,7 @@ class MachineCosts:
         # many short answers must not each pay for one
         self._credit = 0.0
         self.recheck = Recheck.NONE  # due, for upkeep()
+        self.renewal_failed: str | None = None  # why the last upkeep failed (it is tried again)
 
     def curve(self, model: Model, sizes=calibration.TARGET_SIZES) -> CostCurve:
         """V(k) of `model` on this machine: cached, else measured now (once)."""
@@ -337,7 +341,8 @@ class MachineCosts:
         verify, spread, rollback = self.curve(target), self.spread(target), self.rollback(target)
         draft_model = drafter.model if drafter is not None else None  # (the heads' cache is simply cut)
         draft_rollback = self.rollback(draft_model) if draft_model is not None else None
-        return RoundCosts(verify, self.draft_step(drafter), rollback, draft_rollback, spread)
+        stale = self.renewal_failed or ""
+        return RoundCosts(verify, self.draft_step(drafter), rollback, draft_rollback, spread, stale)
 
     def answered(self, seconds: float, costs: RoundCosts | None) -> None:
         """An answer took `seconds` with these `costs` (None: none planned): schedule a re-check.
@@ -355,14 +360,19 @@ class MachineCosts:
         """Time again the costs the last answers found stale (see calibration.recheck), if any."""
         curves = [(model, curve) for (model, _), curve in self._curves.items()]
         recheck, self.recheck = self.recheck, Recheck.NONE
-        if recheck is Recheck.ALL:
-            for _, curve in curves:
-                curve.mark_stale()
-            calibration.recheck(curves, every=True, timer=self.timer)
-        elif recheck is Recheck.DUE:
-            start = perf_counter()
-            calibration.recheck(curves, timer=self.timer)
-            self._credit -= (perf_counter() - start) / RECHECK_SHARE
+        try:
+            if recheck is Recheck.ALL:
+                for _, curve in curves:
+                    curve.mark_stale()
+                calibration.recheck(curves, every=True, timer=self.timer)
+            elif recheck is Recheck.DUE:
+                start = perf_counter()
+                calibration.recheck(curves, timer=self.timer)
+                self._credit -= (perf_counter() - start) / RECHECK_SHARE
+        except Exception as e:  # kept due, and said in every answer's stats until a re-check works
+            self.recheck, self.renewal_failed = recheck, f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            raise
+        self.renewal_failed = None
 
     def save(self) -> None:
         """Keep what real rounds taught about the curves, for the next engine on this machine."""

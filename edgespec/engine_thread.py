@@ -37,6 +37,7 @@ from .scheduler import Scheduler, Task
 log = logging.getLogger("edgespec")
 
 REST_S = 0.1  # after a job, the engine waits this long before it works idle
+IDLE_BACKOFF_S = 60.0  # idle work that keeps failing is tried again at most this far apart
 
 
 @dataclass(eq=False)
@@ -59,6 +60,9 @@ class EngineThread:
     def __init__(self, name: str = "edgespec-engine", parallel: int = 1) -> None:
         """parallel: tasks run at once (the engine's sequences, see sequences.py)."""
         self.engine: Engine | None = None  # whose upkeep runs when idle, whose passes it decodes (set once loaded)
+        self.idle_faults = 0  # idle steps that failed (each tried again, backing off)
+        self._idle_causes: set[str] = set()  # said once each
+        self._idle_failing = 0  # idle steps that failed in a row (see _rest)
         self._queue: queue.Queue[Job | Task | Closing] = queue.Queue()
         self._tasks = Scheduler(lambda passes: self.engine.decode(passes), parallel)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -126,23 +130,37 @@ class EngineThread:
         """The next item; until it comes, from REST_S after the last on, the engine's idle work, a
         step at a time (an editor sends its next request as the last answer comes: a step begun
         then would delay it)."""
-        rested = perf_counter() + REST_S
+        rested = perf_counter() + self._rest(REST_S)
         while True:
             try:
                 return self._queue.get(timeout=max(0.0, rested - perf_counter()))
             except queue.Empty:
                 pass
-            if not self._idle_step():
+            if self._idle_step() is False:
                 return self._queue.get()
+            rested = perf_counter() + self._rest(0.0)
 
-    def _idle_step(self) -> bool:
-        """One step of the engine's idle work; False where there is none, or it failed (a bug: one
-        log line, and the thread goes on serving)."""
+    def _rest(self, seconds: float) -> float:
+        """How long to wait before the next idle step: `seconds`, or after failures in a row a
+        wait that doubles with each (IDLE_BACKOFF_S at most)."""
+        return min(REST_S * 2**self._idle_failing, IDLE_BACKOFF_S) if self._idle_failing else seconds
+
+    def _idle_step(self) -> bool | None:
+        """One step of the engine's idle work: True where there was one, False where there is none,
+        None where it failed (a bug, or llama.cpp failing): counted, said once per cause with its
+        traceback, and tried again later (_rest)."""
         try:
-            return self.engine is not None and self.engine.idle_step()
-        except Exception as e:
-            log.error("idle work failed: %s: %s", type(e).__name__, e)
-            return False
+            worked = self.engine is not None and self.engine.idle_step()
+        except Exception as e:  # the thread goes on serving whatever idle work raises
+            self.idle_faults += 1
+            self._idle_failing += 1
+            cause = f"{type(e).__name__}: {e}".splitlines()[0]
+            if cause not in self._idle_causes:
+                self._idle_causes.add(cause)
+                log.error("idle work failed (tried again, backing off): %s", cause, exc_info=e)
+            return None
+        self._idle_failing = 0
+        return worked
 
 
 def _call(job: Job) -> None:

@@ -19,7 +19,7 @@ import llama_cpp.llama_cpp_ext as llama_ext
 import numpy as np
 from llama_cpp._ctypes_extensions import load_shared_library
 
-from .errors import EdgespecError
+from .errors import EdgespecError, EngineFault
 from .hub import split_parts
 from .model import Model
 
@@ -108,7 +108,7 @@ class Heads:
         """Drop the positions >= n of sequence `seq`."""
         if n < self._positions[seq]:
             if not llama_cpp.llama_memory_seq_rm(self._memory, seq, n, -1):
-                raise EdgespecError("llama.cpp refused to cut the MTP layers' cache; report this as a bug")
+                raise EngineFault("llama.cpp refused to cut the MTP layers' cache; report this as a bug")
             self._positions[seq] = n
 
     def read(self, seq: int, tokens: list[int], hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -124,7 +124,7 @@ class Heads:
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
         state = llama_ext.llama_get_embeddings_nextn_ith(self._ctx, -1)
         if not state:
-            raise EdgespecError("llama.cpp gave no hidden state of the MTP layers; report this as a bug")
+            raise EngineFault("llama.cpp gave no hidden state of the MTP layers; report this as a bug")
         return logits.copy(), np.ctypeslib.as_array(state, shape=(self.width,)).copy()
 
     def _decode(self, seq: int, tokens: list[int], hidden: np.ndarray, *, last: bool) -> None:
@@ -138,13 +138,13 @@ class Heads:
                 or not llama_cpp.llama_batch_ext_set_embd_token(batch, idx, row)
                 or (last and i == len(tokens) - 1 and not llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True))
             ):
-                raise EdgespecError(f"llama.cpp refused token {token} for the MTP layers; report this as a bug")
+                raise EngineFault(f"llama.cpp refused token {token} for the MTP layers; report this as a bug")
             pos.value += 1
         status = llama_cpp.llama_process(self._ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch)
         if status != 0:
             llama_cpp.llama_memory_seq_rm(self._memory, seq, 0, -1)  # what llama.cpp kept of a failed pass is not known
             self._positions[seq] = 0
-            raise EdgespecError(f"llama.cpp failed to run the MTP layers (status {status}); use --no-draft")
+            raise EngineFault(f"llama.cpp failed to run the MTP layers (status {status}); use --no-draft")
         self._positions[seq] = pos.value
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ import llama_cpp
 import llama_cpp.llama_cpp_ext as llama_ext
 import numpy as np
 
-from .errors import EdgespecError
+from .errors import EngineFault
 
 HIDDEN_MEMORY = 64 << 20  # bytes of hidden states a sequence keeps for MTP layers that have not read them
 
@@ -91,5 +91,5 @@ class HiddenExport:
         buffer, valid until the next decode)."""
         states = llama_ext.llama_get_embeddings_nextn(self.model.llama_context)
         if not states:
-            raise EdgespecError(f"llama.cpp kept no hidden states of {self.model.path.name}; use --no-draft")
+            raise EngineFault(f"llama.cpp kept no hidden states of {self.model.path.name}; use --no-draft")
         return np.ctypeslib.as_array(states, shape=(count, self.width))

@@ -19,7 +19,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .cache import cache_dir
+from .cache import cache_dir, replace_atomically
 from .errors import EdgespecError
 from .registry import ModelEntry, hub_endpoint, hub_reachable, is_cached, pull, verify_cached
 
@@ -176,7 +176,7 @@ def list_repo(repo: str) -> list[HubFile]:
     """Every file of the repo, with its size and LFS sha256 (huggingface-hub's list_repo_tree)."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
-    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.utils import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
     try:
         host = hub_reachable()
@@ -191,7 +191,7 @@ def list_repo(repo: str) -> list[HubFile]:
         ) from None
     except RepositoryNotFoundError:
         raise EdgespecError(f"no repo {repo} on the hub (or it is private: set HF_TOKEN); check the name") from None
-    except Exception as e:  # the hub library raises many types (its HTTP client's among them)
+    except (OSError, ValueError, *HfHubHTTPError.__bases__) as e:  # its HTTP client's errors among them
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EdgespecError(f"could not list {repo} on {host} ({first}); check your network") from None
 
@@ -210,9 +210,8 @@ def _read_listing(repo: str) -> list[HubFile] | None:
 def _write_listing(repo: str, files: list[HubFile]) -> None:
     path = _listing_path(repo)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}")
-    temp.write_text(json.dumps({"repo": repo, "files": [asdict(f) for f in files]}))
-    os.replace(temp, path)  # never a half-written listing
+    listing = json.dumps({"repo": repo, "files": [asdict(f) for f in files]}).encode()
+    replace_atomically(path, lambda f: f.write(listing))  # never a half-written listing
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,7 @@ def plain_llama(path: Path, repack: bool, **options):
 def choose_repack(path: Path, n_threads: int, n_gpu_layers: int) -> bool:
     """Whether to load `path` with repacked weights: the cached verdict for this machine,
     build and model file, else probed now (a few seconds, once)."""
-    model = f"{path.name}:{path.stat().st_size}|threads={n_threads}|gpu={n_gpu_layers}"
-    key = f"{store.machine()}|{store.build()}|{model}|repack"
+    key = verdict_key(path, n_threads, n_gpu_layers)
     if _current(verdict := store.read().get(key)):
         return verdict["repack"]
     with locked(f"{path.name}.kernels", None):  # one probe at a time: two would slow each other's timings
@@ -87,6 +86,13 @@ def choose_repack(path: Path, n_threads: int, n_gpu_layers: int) -> bool:
                 return True
             store.write(key, verdict)
     return verdict["repack"]
+
+
+def verdict_key(path: Path, n_threads: int, n_gpu_layers: int) -> str:
+    """Where choose_repack keeps its verdict on `path`: per machine, build, file (its name and
+    size), threads and offloaded layers."""
+    model = f"{path.name}:{path.stat().st_size}|threads={n_threads}|gpu={n_gpu_layers}"
+    return f"{store.machine()}|{store.build()}|{model}|repack"
 
 
 def _current(verdict) -> bool:

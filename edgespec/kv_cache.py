@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
-from .errors import EdgespecError
+from .errors import EdgespecError, EngineFault
 from .hidden_states import HiddenStates
 from .prompt_cache import MIN_RESTORED, MIN_TOKENS, common_prefix, reusable_prefix
 
@@ -122,9 +122,7 @@ class Cache:
             llama_cpp.llama_state_seq_get_data_ext(self.model.llama_context, data, size, self.model.seq, PARTIAL_ONLY)
             != size
         ):
-            raise EdgespecError(
-                f"llama.cpp could not save the recurrent state of {self.model.path.name}; use --no-draft"
-            )
+            raise EngineFault(f"llama.cpp could not save the recurrent state of {self.model.path.name}; use --no-draft")
         self.model.state.checkpoint = Checkpoint(len(self.model.tokens), data)
 
     def truncate(self, n: int) -> None:
@@ -268,4 +266,4 @@ class Cache:
 
     def check(self, done: bool) -> None:
         if not done:
-            raise EdgespecError(f"llama.cpp refused to cut the cache of {self.model.path.name}; report this as a bug")
+            raise EngineFault(f"llama.cpp refused to cut the cache of {self.model.path.name}; report this as a bug")

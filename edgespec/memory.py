@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cache import cache_dir, locked
+from .cache import cache_dir, locked, replace_atomically
 from .prompt_cache import common_prefix
 from .suffixes import DEPTH, SEPARATOR, TOKEN, Match, SuffixIndex
 
@@ -258,27 +258,17 @@ class Memory:
         for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):  # a save killed half-way
             if time.time() - stale.stat().st_mtime > STALE_S:
                 stale.unlink(missing_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(
-                    f,
-                    meta=np.array(json.dumps(meta)),
-                    tokens=self.index.tokens,
-                    order=self.index.order,
-                    ids=np.array([s.id for s in self.sequences], dtype=np.int64),
-                    lengths=np.array([s.length for s in self.sequences], dtype=np.int64),
-                    times=np.array([s.time for s in self.sequences], dtype=np.float64),
-                    sources=np.array([sources.index(s.source) for s in self.sequences], dtype=np.int32),
-                    offsets=np.array([s.offset for s in self.sequences], dtype=np.int64),
-                )
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        columns = {
+            "meta": np.array(json.dumps(meta)),
+            "tokens": self.index.tokens,
+            "order": self.index.order,
+            "ids": np.array([s.id for s in self.sequences], dtype=np.int64),
+            "lengths": np.array([s.length for s in self.sequences], dtype=np.int64),
+            "times": np.array([s.time for s in self.sequences], dtype=np.float64),
+            "sources": np.array([sources.index(s.source) for s in self.sequences], dtype=np.int32),
+            "offsets": np.array([s.offset for s in self.sequences], dtype=np.int64),
+        }
+        replace_atomically(self.path, lambda f: np.savez(f, **columns), mode=0o600)
 
     def _read(self) -> None:
         with self._lock():

@@ -19,7 +19,7 @@ from time import perf_counter
 import llama_cpp
 import numpy as np
 
-from .errors import EdgespecError
+from .errors import EdgespecError, EngineFault
 from .hidden_states import HiddenExport
 from .kernels import choose_repack
 from .kv_cache import PARTIAL_ONLY, Cache, SequenceState
@@ -91,6 +91,8 @@ class Model(Tokenizer):
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
         model_params.use_extra_bufts = repack
+        if repack:  # repacked weights are copies: read the file, as a mapping would keep it resident twice over
+            model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
         model_params.load_mtp = load_mtp
         self._model = load_gguf(self.path, model_params)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
@@ -207,14 +209,15 @@ class Model(Tokenizer):
         return 2 * 2 * llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * head_dim
 
     def default_context(self, memory_share: float = KV_MEMORY_SHARE, bytes_per_token: int | None = None) -> int:
-        """The trained context, capped so that the KV cache (of all n_seq sequences) fits memory_share
-        of this machine's memory (a purely recurrent model keeps nothing per token: its context is
-        only a position limit)."""
+        """A sequence's share of the trained context, capped so that the KV cache fits memory_share
+        of this machine's memory: n_seq sequences split what one would have, as llama-server's
+        slots split its context (a 1.5B pair's server of four held 6.3 GB when each had all of
+        it); a purely recurrent model keeps nothing per token: its context is only a position limit."""
         per_token = self.kv_bytes_per_token if bytes_per_token is None else bytes_per_token
         if per_token <= 0:
             return self.n_ctx_train
-        fits = int(memory_share * physical_memory() / (per_token * self.n_seq)) // 256 * 256
-        return max(min(self.n_ctx_train, fits), min(MIN_DEFAULT_CTX, self.n_ctx_train))
+        fits = int(memory_share * physical_memory() / per_token)
+        return max(min(self.n_ctx_train, fits) // self.n_seq // 256 * 256, min(MIN_DEFAULT_CTX, self.n_ctx_train))
 
     def _state_sizes(self, n_batch: int) -> StateSizes:
         """Measured in a small context of its own (a hybrid's layers differ: the API has no per-layer
@@ -351,7 +354,7 @@ class Model(Tokenizer):
         """What a refused llama_decode of n_tokens tokens means for the caller."""
         if status == 1:  # no room for the batch in the cache
             return ContextFull(self.n_ctx)
-        return EdgespecError(
+        return EngineFault(
             f"llama.cpp failed to evaluate {n_tokens} tokens with {self.path.name} (status {status});"
             " rerun with EDGESPEC_VERBOSE=1 to see llama.cpp's reason"
         )
@@ -409,10 +412,16 @@ class Model(Tokenizer):
         seconds = perf_counter() - start
         self.decodes += 1
         if status != 0:
-            for one in ok:  # what llama.cpp kept of a failed pass is not known: each starts again from nothing
+            # what llama.cpp kept of the batch is not known: each sequence is cut back to its own
+            # tokens and its pass decoded alone, so that only a pass llama.cpp refuses fails
+            for one in ok:
                 self.use(one.seq)
-                self.cache.clear()
-                one.error = self._failure(status, at)
+                if not llama_cpp.llama_memory_seq_rm(self.llama_memory, one.seq, len(self.state.tokens), -1):
+                    self.cache.clear()
+            for one in ok:
+                self._decode_alone(one)
+                if one.logits is not None:  # a view into llama.cpp's buffer, which the next pass overwrites
+                    one.logits = np.array(one.logits)
             return
         rows = np.ctypeslib.as_array(
             llama_cpp.llama_get_logits(self.llama_context), shape=(sum(p.rows or 1 for p in ok), self.n_vocab)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cache import cache_dir, locked
+from .cache import cache_dir, locked, replace_atomically
 from .store import build
 
 DEFAULT_CACHE_RAM_MIB = 1024  # about ten 2,500-token Qwen2.5-1.5B prompts with their draft model's
@@ -193,11 +193,12 @@ def _write(path: Path, state: SavedState) -> None:
     written whole or not at all."""
     data = memoryview(state.data)
     header = json.dumps({"tokens": state.tokens, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(tmp, "wb") as f:
+
+    def write(f) -> None:
         f.write(MAGIC + len(header).to_bytes(8, "little") + header.encode())
         f.write(data)
-    os.replace(tmp, path)
+
+    replace_atomically(path, write)
 
 
 def _read(path: Path, model) -> SavedState | None:

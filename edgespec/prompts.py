@@ -134,4 +134,4 @@ class Prompts:
         return text
 
     def _too_long(self, size: str) -> PromptExceedsContext:
-        return PromptExceedsContext(size, self.target.n_ctx)
+        return PromptExceedsContext(size, self.target.n_ctx, self.target.n_seq)

@@ -104,6 +104,7 @@ class Run:
         if (costs := controller.costs) is not None:
             self.stats.baseline_tokens_per_s = 1.0 / costs.plain_step()
             self.stats.checkpoint_steps, self.stats.restore_steps = costs.rollback_steps()
+            self.stats.calibration_stale = costs.stale
         self.stats.healed_bytes = len(healed)
         self.text = TextStream(request.stops, request.min_indent, skip=healed)
         self.prompt_logprobs: list[TokenLogprob] = []  # once read, where Request.prompt_logprobs asks for them

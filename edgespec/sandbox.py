@@ -21,7 +21,9 @@ from pathlib import Path
 
 from .errors import EdgespecError
 
-MEMORY = 1 << 30  # address space of the worker (Python and Jinja take about 100 MB of it)
+# address space of the worker: Python and Jinja take about 100 MB of it, a real template renders in a few;
+# the program waits for the worker, so its peak counts in the program's own (wait4)
+MEMORY = 512 << 20
 WORKER = Path(__file__).with_name("_sandbox_worker.py")
 
 

@@ -46,7 +46,7 @@ SUMMED = (
     "recall_s",
 )
 # what combine() takes from the first generation: the machine's settings, not counts
-SETTINGS = ("flash_attn", "repack", "rollback", "checkpoint_steps", "restore_steps")
+SETTINGS = ("flash_attn", "repack", "rollback", "checkpoint_steps", "restore_steps", "calibration_stale")
 SUMMED_BY_SOURCE = ("rounds_by_source", "drafted_by_source", "accepted_by_source")
 LOOPING = 64  # an answer ending in this many repeated tokens is worth saying so
 MAX_PERIOD = 256  # the longest repeated span looked for
@@ -163,6 +163,9 @@ class Stats:
     # the target alone's rate now, what measured_speedup is against: without plain rounds in this
     # generation, the calibrated step as this generation's rounds ran against their plan (0: no calibration)
     baseline_tokens_per_s: float = 0.0
+    # why the calibration could not be timed again when it was due ("": it was, or none was due):
+    # its curves are older than they should be (the engine's thread tries again, backing off)
+    calibration_stale: str = ""
     flash_attn: bool = False  # whether the target runs with flash attention
     repack: bool = True  # whether the target's weights are repacked for llama.cpp's extra CPU kernels (kernels.py)
     # how the target's cache is cut back after a rejection (model.Rollback: truncate, snapshots,
@@ -309,6 +312,8 @@ class Stats:
             line += f", rollback by {self.rollback}"
             if self.checkpoint_steps or self.restore_steps:
                 line += f" (checkpoint {self.checkpoint_steps:.2f}, restore {self.restore_steps:.2f} target steps)"
+        if self.calibration_stale:
+            line += f", calibration not renewed ({self.calibration_stale})"
         if self.repeated_tokens >= LOOPING:
             line += f", the last {self.repeated_tokens} tokens repeat a {self.repeat_period}-token span"
         rollback = f", rollback {self.rollback_s:.2f}s" if self.rollback != "truncate" else ""

@@ -14,7 +14,7 @@ npm install --prefix "$clients" --no-fund --no-audit --silent @anthropic-ai/clau
 export PATH="$clients/node_modules/.bin:$PATH"
 
 work=$(mktemp -d)
-edgespec serve --port "$port" --max-tokens 4096 "$@" 2>"$work/serve.log" &
+edgespec serve --port "$port" --parallel 1 --max-tokens 4096 "$@" 2>"$work/serve.log" &
 server=$!
 trap 'kill -INT $server 2>/dev/null; wait $server; echo "what the clients wrote, and the server log: $work"' EXIT
 until grep -q "OpenAI API at" "$work/serve.log"; do

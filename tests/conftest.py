@@ -9,6 +9,7 @@ import llama_cpp
 import numpy as np
 import pytest
 from reference import excused
+from tiny_models import write_tiny
 
 from edgespec import Engine, Model, ModelDrafter, calibration
 from edgespec.cost_curve import UNSPREAD, BatchSpread, CostCurve
@@ -68,6 +69,26 @@ def requant_engine(smollm2, requantized_path):
     draft = Model(requantized_path, n_ctx=1024)
     yield Engine(smollm2, ModelDrafter(draft, smollm2.n_vocab), gamma=4, draft_mode="model")
     draft.close()
+
+
+def tiny_pair(folder, tokenizer, n_seq: int = 1) -> Engine:
+    """A tiny random transformer with `tokenizer`'s vocabulary (tiny_models.py), drafted by a
+    copy of it whose last block is perturbed (q != p, accepted about half the time at
+    TINY_TEMPERATURE), n_seq sequences in each context: the sampled-law tests' pair, a pass a
+    few ms where a real model's is tens."""
+    target = Model(write_tiny(folder / "tiny.gguf", "llama", tokenizer), n_ctx=1024, flash_attn=True, n_seq=n_seq)
+    draft = Model(write_tiny(folder / "tiny-draft.gguf", "llama", tokenizer, noise=0.3), n_ctx=1024, n_seq=n_seq)
+    return Engine(target, ModelDrafter(draft, target.n_vocab), gamma=3, draft_mode="model", owned=[target, draft])
+
+
+TINY_TEMPERATURE = 3.0  # a random model's logits are peaked: at 3 its law spreads over a score of tokens
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(smollm2_path, tmp_path_factory):
+    """tiny_pair on SmolLM2's 49,152 tokens."""
+    with tiny_pair(tmp_path_factory.mktemp("tiny"), smollm2_path) as engine:
+        yield engine
 
 
 def with_a_word_changed(text: str) -> str:

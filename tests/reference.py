@@ -295,22 +295,26 @@ def constrained_chain_law(logits: np.ndarray, grammar: GrammarMask, **chain) -> 
     return chain_law(np.where(grammar.allowed(np.arange(len(logits))), logits, -np.inf), **chain)
 
 
-def assert_first_token_law(engine, prompt: str, params: dict, gamma: int | str, runs: int, **request) -> None:
+def assert_first_token_law(engine, prompt: str, params: dict, gamma: int | str, runs: int, **request) -> int:
     """The first token of `runs` seeded answers follows the target's law from the reference
-    (law_after; chi-square), drawn through drafts accepted and resampled: both paths must be taken."""
+    (law_after; chi-square), drawn through drafts accepted and resampled: both paths must be taken.
+    Returns in how many runs a tree's sibling was taken (a sampled tree's law is judged where they were)."""
     # the verify pass that scores it is gamma + 1 wide (auto's varies: one that checks a single token)
     p = law_after(engine, prompt, width=gamma + 1 if isinstance(gamma, int) else 2, **params)
-    counts, sources = np.zeros(len(p)), set()
+    counts, sources, siblings_taken = np.zeros(len(p)), set(), 0
     rng = np.random.default_rng(123)
     for _ in range(runs):
         seed = int(rng.integers(2**32))
-        events = engine.stream(prompt, raw=True, gamma=gamma, max_tokens=8, seed=seed, **params, **request)
+        run = engine.start(prompt, raw=True, gamma=gamma, max_tokens=8, seed=seed, **params, **request)
+        events = engine.events(run)
         first = next(events)
         events.close()
         counts[first.token] += 1
         sources.add(first.source)
+        siblings_taken += any(trust.taken for trust in run.controller.siblings.values())
     assert sources == {"draft", "target"}, sources  # both paths (accepted draft, resampled) were exercised
     assert chi_square_pvalue(counts, p, runs) > 0.01
+    return siblings_taken
 
 
 def chi_square_pvalue(counts: np.ndarray, p: np.ndarray, runs: int) -> float:

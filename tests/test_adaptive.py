@@ -368,7 +368,7 @@ def test_a_disturbed_point_is_timed_again(smollm2):
 def test_calibration_is_cached_and_reused(tmp_path, monkeypatch, smollm2):
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     first = calibration.load_or_measure(smollm2, (1, 2, 4))
-    assert (tmp_path / "calibration.json").is_file()
+    assert (tmp_path / "calibration.jsonl").is_file()
     assert first(1) > 0 and first(4) > first(1)
 
     def no_measuring(*args):
@@ -632,6 +632,43 @@ def test_rechecks_wait_for_the_engine_to_be_idle(tmp_path, monkeypatch, smollm2)
         time.sleep(0.01)
     thread.close()
     assert generation.finish_reason and due is Recheck.DUE and rechecked and rechecked[0] >= finished_at
+
+
+def test_a_recheck_that_fails_is_said_once_retried_backing_off_and_shown(tmp_path, monkeypatch, smollm2, caplog):
+    """A re-check whose timings fail (three times, then they work): it stays due and the engine
+    thread tries it again, each wait twice the last; the cause is said once, with its traceback;
+    an answer meanwhile says in its stats that the calibration was not renewed, and why."""
+    from edgespec import EngineThread, engine_thread
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(engine_thread, "REST_S", 0.05)
+    points = {k: 0.01 * k for k in calibration.TARGET_SIZES}
+    calibration.save(smollm2, calibration.TARGET_SIZES, CostCurve(points, checked={k: 0.0 for k in points}))
+    tries = []
+
+    def timed(model, k):
+        tries.append(time.monotonic())
+        if len(tries) <= 3:
+            raise RuntimeError("the timer broke")
+        return points[k]
+
+    engine = Engine(smollm2, None, timer=Scripted(timed), owned=[])
+    engine.generate("Say hi.", temperature=0, max_tokens=4)  # finds the points due
+    thread = EngineThread()
+    thread.engine = engine
+    deadline = time.monotonic() + 20
+    while not tries and time.monotonic() < deadline:
+        time.sleep(0.005)
+    stale = thread.submit(lambda: engine.generate("Say hi.", temperature=0, max_tokens=4).stats).result()
+    while engine.costs.renewal_failed is not None or len(tries) < 4:
+        assert time.monotonic() < deadline, tries
+        time.sleep(0.01)
+    thread.close()
+    assert stale.calibration_stale == "RuntimeError: the timer broke" and "calibration not renewed" in stale.summary()
+    assert thread.idle_faults == 3 and engine.costs.recheck is Recheck.NONE
+    assert tries[3] - tries[2] > 1.3 * (tries[2] - tries[1]) > 0.1  # backing off: 0.2 s, then 0.4 s
+    said = [r for r in caplog.records if "idle work failed" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is not None
 
 
 # --- issue 25: the speedup against the target alone now --------------------------------

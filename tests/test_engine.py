@@ -6,10 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import pytest
-from conftest import GpuCosts
+from conftest import TINY_TEMPERATURE, GpuCosts, tiny_pair
 from reference import assert_first_token_law, assert_greedy_as_llama
 
 import edgespec
@@ -73,47 +72,36 @@ def test_bad_drafter_sampled_mode_is_reproducible(smollm2):
 ANIMAL = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSure! My favourite animal is the"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["model", "hybrid", "auto"])
-def test_first_token_distribution_matches_target(requant_engine, mode, monkeypatch):
-    """Sampled mode, top-k 20: SmolLM2 drafted by its Q4_0 copy (q != p); auto on costs that make it
-    draft (GpuCosts), with the draft length it chooses."""
-    monkeypatch.setattr(requant_engine, "costs", GpuCosts())
-    params = dict(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0)
+def test_first_token_distribution_matches_target(tiny_engine, mode, monkeypatch):
+    """Sampled mode, top-k 20: a tiny target drafted by a perturbed copy (q != p); auto on costs
+    that make it draft (GpuCosts), with the draft length it chooses."""
+    monkeypatch.setattr(tiny_engine, "costs", GpuCosts())
+    params = dict(temperature=TINY_TEMPERATURE, top_k=20, top_p=1.0, min_p=0.0)
     gamma = "auto" if mode == "auto" else 3
-    assert_first_token_law(requant_engine, ANIMAL, params, gamma, 2000, draft_mode=mode)
+    assert_first_token_law(tiny_engine, ANIMAL, params, gamma, 2000, draft_mode=mode)
 
 
-@pytest.mark.slow
-def test_first_token_distribution_without_any_filter(requant_engine):
+def test_first_token_distribution_without_any_filter(tiny_engine):
     """No filter (top-k 0, top-p 1, min-p 0): p and q over the whole vocabulary, each a full softmax."""
-    assert_first_token_law(requant_engine, ANIMAL, dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), 3, 2000)
+    params = dict(temperature=TINY_TEMPERATURE, top_k=0, top_p=1.0, min_p=0.0)
+    assert_first_token_law(tiny_engine, ANIMAL, params, 3, 2000)
 
 
 @pytest.fixture(scope="module")
-def gemma_requant_engine(tmp_path_factory):
-    """gemma-3-270m (a 262,144-token vocabulary) drafted by its own Q4_0 re-quantization."""
-    path = resolve_model("gemma-3-270m")
-    out = tmp_path_factory.mktemp("gemma") / "gemma-q4_0.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, True, 2
-    assert llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), params) == 0
-    target_model = Model(path, n_ctx=512)
-    draft = Model(out, n_ctx=512)
-    yield Engine(target_model, ModelDrafter(draft, target_model.n_vocab), gamma=3, draft_mode="model")
-    draft.close()
-    target_model.close()
+def gemma_tiny_engine(tmp_path_factory):
+    """tiny_pair on gemma-3-270m's 262,144 tokens."""
+    with tiny_pair(tmp_path_factory.mktemp("gemma"), resolve_model("gemma-3-270m")) as engine:
+        yield engine
 
 
-@pytest.mark.slow
-def test_first_token_distribution_on_a_262k_vocabulary(gemma_requant_engine):
-    """llama.cpp's default chain on gemma-3-270m's 262,144 tokens: the candidates found without
+def test_first_token_distribution_on_a_262k_vocabulary(gemma_tiny_engine):
+    """llama.cpp's default chain on gemma's 262,144 tokens: the candidates found without
     sorting the vocabulary, the residual on the union of two candidate sets."""
-    assert gemma_requant_engine.target.n_vocab == 262_144
+    assert gemma_tiny_engine.target.n_vocab == 262_144
     prompt = "<start_of_turn>user\nName an animal.<end_of_turn>\n<start_of_turn>model\nMy favourite animal is the"
-    assert_first_token_law(
-        gemma_requant_engine, prompt, dict(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05), 3, 1500
-    )
+    params = dict(temperature=TINY_TEMPERATURE, top_k=40, top_p=0.95, min_p=0.05)
+    assert_first_token_law(gemma_tiny_engine, prompt, params, 3, 1500)
 
 
 def test_raw_and_chat_prompts(self_engine):

@@ -3,18 +3,21 @@ runs taken a step at a time in turn (as the server's EngineThread takes them); e
 Llama's alone."""
 
 import asyncio
+import json
 import re
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
+from conftest import TINY_TEMPERATURE, tiny_pair
 from reference import assert_greedy_as_llama, chi_square_pvalue, law_after, reference_for
 from test_server import HELLO, Server
 
-from edgespec import EdgespecError, Engine, EngineThread, Request
+import edgespec
+from edgespec import EdgespecError, Engine, EngineFault, EngineThread, Request
 from edgespec.cost_curve import CostCurve
 from edgespec.drafters import ModelDrafter
 from edgespec.engine_thread import REST_S
@@ -26,7 +29,7 @@ from edgespec.server.answers import Answer, Job
 from edgespec.server.app import Worker
 
 CTX = 1024
-RUNS = 1000  # seeded answers in the chi-square test
+RUNS = 2000  # seeded answers in the chi-square test
 
 
 @pytest.fixture(scope="module")
@@ -43,24 +46,134 @@ def in_turns(engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
     return runs_in_turns(engine, [engine.start(p, raw=True, temperature=0, max_tokens=max_tokens) for p in prompts])
 
 
-def runs_in_turns(engine, runs) -> list[list[int]]:
+def runs_in_turns(engine, runs, failed: dict[int, Exception] | None = None) -> list[list[int]]:
     """Started runs taken as the server's scheduler takes them: each to its next target pass, then
-    their passes decoded together, until all end; their tokens."""
+    their passes decoded together, until all end; their tokens. failed: where a run's error is
+    kept (by its index; the others go on), else it is raised."""
     running = dict(enumerate(engine.steps(run) for run in runs))
     answers: list[list[int]] = [[] for _ in runs]
     while running:
         passes = []
         for i, steps in list(running.items()):
-            for step in steps:
-                if isinstance(step, Pass):
-                    passes.append(step)
-                    break
-                if not step.done:
-                    answers[i].append(step.token)
-            else:
+            try:
+                for step in steps:
+                    if isinstance(step, Pass):
+                        passes.append(step)
+                        break
+                    if not step.done:
+                        answers[i].append(step.token)
+                else:
+                    del running[i]
+            except EdgespecError as e:
+                if failed is None:
+                    raise
+                failed[i] = e
                 del running[i]
         engine.decode(passes)
     return answers
+
+
+def refused_where(marker: int):
+    """Model.decode, but every pass that holds token `marker` has its last token replaced by one
+    outside the vocabulary: a pass llama.cpp refuses (llama_decode's check of its batch)."""
+    decode = Model.decode
+
+    def refusing(self, passes):
+        for one in passes:
+            if marker in one.tokens:
+                one.tokens = [*one.tokens[:-1], self.n_vocab + 7]
+        decode(self, passes)
+
+    return refusing
+
+
+ZANZIBAR = "Tell me about Zanzibar"  # its last token is in no other prompt or answer here
+
+
+def test_a_pass_llama_cpp_refuses_fails_its_own_run_alone(monkeypatch):
+    """Three runs' passes decoded together, one of which llama.cpp refuses: the batch is decoded
+    again pass by pass, so that run alone ends (an EngineFault), the two beside it answer as Llama
+    does, and its sequence answers the next request as Llama does."""
+    with edgespec.load("smollm2-self", n_ctx=CTX, parallel=3, progress=False) as engine:
+        marker = engine.target.tokenize(ZANZIBAR, add_special=False)[-1]
+        monkeypatch.setattr(Model, "decode", refused_where(marker))
+        prompts = ["The capital of France is", ZANZIBAR, "def fibonacci(n):\n"]
+        runs = [engine.start(p, raw=True, temperature=0, max_tokens=16) for p in prompts]
+        failed: dict[int, Exception] = {}
+        answers = runs_in_turns(engine, runs, failed)
+        assert list(failed) == [1] and isinstance(failed[1], EngineFault), failed
+        for i in (0, 2):
+            assert_greedy_as_llama(f"beside a refused pass: {prompts[i]!r}", engine, prompts[i], answers[i], raw=True)
+        assert not engine.sequences.held
+        monkeypatch.undo()
+        again = runs_in_turns(engine, [engine.start(ZANZIBAR, raw=True, temperature=0, max_tokens=16)])[0]
+        assert_greedy_as_llama("after its refused pass", engine, ZANZIBAR, again, raw=True, limit=16)
+
+
+def test_a_refused_pass_under_four_streams_ends_that_stream_alone(monkeypatch):
+    """Four streams at once through the server (in this process), one of whose passes llama.cpp
+    refuses: that stream ends with an error event saying the server failed (not a 4xx, not a
+    silent close), the other three answer as Llama does, and /metrics counts the fault."""
+    from starlette.testclient import TestClient
+
+    from edgespec.server.app import Api
+
+    worker = Worker(lambda: edgespec.load("smollm2-self", n_ctx=CTX, parallel=4, progress=False), 4)
+    engine = worker.wait_loaded()
+    reference = reference_for(engine.target)
+    monkeypatch.setattr(Model, "decode", refused_where(engine.target.tokenize(ZANZIBAR, add_special=False)[-1]))
+    prompts = ["The capital of France is", ZANZIBAR, "def fibonacci(n):\n", "Once upon a time"]
+    with TestClient(Api(worker, "smollm2", None, None, metrics=True).app()) as http:
+
+        def stream(prompt: str) -> list[dict]:
+            body = {"model": "m", "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True}
+            reply = http.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            return [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+
+        with ThreadPoolExecutor(4) as pool:
+            events = list(pool.map(stream, prompts))
+        metrics = http.get("/metrics").text
+    for prompt, chunks in zip(prompts, events, strict=True):
+        if prompt == ZANZIBAR:
+            (error,) = [c["error"] for c in chunks if "error" in c]
+            assert error["type"] == "server_error" and "the server failed" in error["message"], error
+            continue
+        assert not any("error" in c for c in chunks), chunks
+        text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+        expected = reference.llm.detokenize(reference.greedy(reference.prompt(prompt, raw=True), 16)).decode()
+        assert text == expected, (prompt, text, expected)
+    assert 'edgespec:faults_total{where="request"} 1.0' in metrics
+
+
+DIALECTS = {  # path, body, and how its stream's error event reads
+    "openai": ("/v1/chat/completions", {"messages": [{"role": "user", "content": ZANZIBAR}]}, '"type":"server_error"'),
+    "anthropic": ("/v1/messages", {"messages": [{"role": "user", "content": ZANZIBAR}]}, '"type":"api_error"'),
+    "responses": ("/v1/responses", {"input": ZANZIBAR}, '"code":"server_error"'),
+    "llama.cpp": ("/completion", {"prompt": ZANZIBAR}, '"type":"server_error"'),
+}
+
+
+def test_a_stream_that_fails_midway_ends_with_its_apis_error_event(monkeypatch):
+    """A pass llama.cpp refuses once the stream has begun: each API's stream ends with its own
+    error event saying the server failed (never a silent close, never a client error); the
+    request before the stream began, refused the same way, is a 500 saying so."""
+    from starlette.testclient import TestClient
+
+    from edgespec.server.app import Api
+
+    worker = Worker(lambda: edgespec.load("smollm2-self", n_ctx=CTX, progress=False))
+    engine = worker.wait_loaded()
+    monkeypatch.setattr(Model, "decode", refused_where(engine.target.tokenize(" Zanzibar", add_special=False)[-1]))
+    with TestClient(Api(worker, "smollm2", None, None).app()) as http:
+        for name, (path, body, error) in DIALECTS.items():
+            reply = http.post(path, json=body | {"model": "m", "max_tokens": 8, "n_predict": 8, "stream": True})
+            assert reply.status_code == 200, (name, reply.text)
+            last = [line for line in reply.text.splitlines() if line.startswith("data: ")][-1]
+            assert error in last and "the server failed on this request" in last, (name, reply.text[-500:])
+        whole = http.post("/v1/chat/completions", json=DIALECTS["openai"][1] | {"max_tokens": 8})
+    assert whole.status_code == 500 and whole.json()["error"]["type"] == "server_error", whole.text
+    assert "not because of it" in whole.json()["error"]["message"]
 
 
 def test_two_answers_taken_in_turns_are_each_llamas(twin_engine):
@@ -255,13 +368,20 @@ def test_answers_to_one_prompt_go_side_by_side_only_with_a_sequence_each(twin_en
 ANIMAL = "<|im_start|>user\nName an animal.<|im_end|>\n<|im_start|>assistant\nSure! My favourite animal is the"
 
 
-@pytest.mark.slow
-def test_a_sampled_answers_law_is_unchanged_by_a_neighbour(twin_engine):
+@pytest.fixture(scope="module")
+def tiny_twin(smollm2_path, tmp_path_factory):
+    """conftest.tiny_pair with two sequences in each context."""
+    with tiny_pair(tmp_path_factory.mktemp("tiny-twin"), smollm2_path, n_seq=2) as engine:
+        yield engine
+
+
+def test_a_sampled_answers_law_is_unchanged_by_a_neighbour(tiny_twin):
     """The first token of seeded answers, each pass of theirs (the draft model's steps, the
     target's verify pass) decoded in the same llama_decode as another request's pass of that
     model, follows the target's law (chi-square against Llama's), through drafts accepted and
-    resampled."""
-    params = dict(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0)
+    resampled (a tiny pair: the law is the point, not the model)."""
+    twin_engine = tiny_twin
+    params = dict(temperature=TINY_TEMPERATURE, top_k=20, top_p=1.0, min_p=0.0)
     p = law_after(twin_engine, ANIMAL, width=5, **params)
     counts, sources, rng = np.zeros(len(p)), set(), np.random.default_rng(7)
     neighbour = twin_engine.steps(twin_engine.start("Once upon a time", raw=True, max_tokens=64))
@@ -446,3 +566,16 @@ def test_a_failing_decode_or_idle_work_fails_its_step_alone_and_the_thread_goes_
     assert not thread.engine.idle_fails
     assert thread.start(two_passes, "after").result(timeout=10) == "after"
     thread.close()
+
+
+def test_sequences_split_the_default_context_and_a_longer_prompt_names_the_flags(smollm2_path):
+    """As llama-server's slots split its context, sequences split the default one (the 1.5B
+    pair's server of four held 6.3 GB when each had all of it); a prompt longer than a
+    sequence's share is refused naming --ctx and --parallel."""
+    with Model(smollm2_path) as alone, Model(smollm2_path, n_seq=2) as two:
+        assert alone.n_ctx == alone.n_ctx_train == 8192 and two.n_ctx == 4096
+    with edgespec.load("smollm2-self", parallel=2, progress=False) as engine:
+        with pytest.raises(EdgespecError) as refused:
+            engine.start("word " * 5000, raw=True, max_tokens=1)
+    assert "holds 4096 tokens for each of 2 requests at once" in str(refused.value)
+    assert "--ctx" in str(refused.value) and "--parallel" in str(refused.value)

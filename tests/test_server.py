@@ -28,6 +28,9 @@ CTX = 1024
 HELLO = [{"role": "user", "content": "Say hello in three words."}]
 
 
+START_S = 300  # a server that has not said its address by then has failed (its log is shown)
+
+
 class Server:
     """`edgespec serve` in a process of its own, on a free port (the SmolLM2 pair unless
     told otherwise)."""
@@ -37,14 +40,20 @@ class Server:
         argv = [sys.executable, "-m", "edgespec", "serve", *models, "--port", "0"]
         self.process = subprocess.Popen([*argv, *extra], stderr=subprocess.PIPE, text=True, bufsize=1)
         self.lines: list[str] = []
-        for line in self.process.stderr:
-            self.lines.append(line)
-            if match := re.search(r"OpenAI API at (\S+)", line):
-                self.url = match.group(1)
-                break
-        else:
-            raise AssertionError("the server did not start: " + "".join(self.lines))
-        threading.Thread(target=lambda: self.lines.extend(self.process.stderr), daemon=True).start()
+        started = threading.Event()
+
+        def read_log() -> None:
+            for line in self.process.stderr:
+                self.lines.append(line)
+                if not started.is_set() and (match := re.search(r"OpenAI API at (\S+)", line)):
+                    self.url = match.group(1)
+                    started.set()
+            started.set()  # the server ended: wait no longer
+
+        threading.Thread(target=read_log, daemon=True).start()
+        if not started.wait(START_S) or not hasattr(self, "url"):
+            self.process.kill()
+            raise AssertionError(f"the server did not start within {START_S} s: " + "".join(self.lines))
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)

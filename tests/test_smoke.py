@@ -97,7 +97,10 @@ def test_pull_and_models(capsys, smollm2_path):
 @pytest.mark.parametrize("source", ["pair", "target-alone"])
 @pytest.mark.slow
 def test_bench_small(capsys, sources, source):
-    code, out, err = run(capsys, "bench", *sources[source], "--max-tokens", "3", "--json")
+    """Two of the shipped classes (a predicted edit, the schema class and its no-grammar row):
+    every mode, the text report and the llama-cpp-python baseline."""
+    classes = ["--prompts", "code-edit-pred,json"]
+    code, out, err = run(capsys, "bench", *sources[source], *classes, "--max-tokens", "3", "--json")
     assert code == 0, err
     report = json.loads(out)
     modes = set(report["prompts"][0]["modes"])
@@ -105,9 +108,11 @@ def test_bench_small(capsys, sources, source):
     assert modes == ({"off", "copy", "auto", "chains"} | ({"model", "hybrid"} if source == "pair" else set()))
     first = report["prompts"][0]
     assert first["best_fixed"] in modes - {"chains"} and first["auto_vs_best_fixed"] > 0
-    assert first["auto_vs_chains"] > 0 and first["modes"]["auto"]["tree_rounds"] >= 0
+    assert first["auto_vs_chains"] > 0 and first["modes"]["chains"]["tree_rounds"] == 0  # chains: no trees
+    assert first["modes"]["auto"]["tree_rounds"] <= sum(first["modes"]["auto"]["rounds_by_source"].values())
     assert all(m["prefill_tokens_per_s"] > 0 for m in first["modes"].values())
-    code, out, err = run(capsys, "bench", *sources[source], "--max-tokens", "3", "--repeats", "2", "--llama-baseline")
+    argv = ["bench", *sources[source], *classes, "--max-tokens", "3", "--repeats", "2", "--llama-baseline"]
+    code, out, err = run(capsys, *argv)
     assert code == 0, err
     rows = [line.split()[:2] for line in out.splitlines()]
     assert ["code-edit-pred", "llama"] in rows and ["code-edit-pred", "ceiling"] in rows

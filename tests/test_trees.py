@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import FixedCurve, GpuCosts
+from conftest import TINY_TEMPERATURE, FixedCurve, GpuCosts
 from reference import assert_first_token_law, assert_greedy_as_llama, reference_for
 
 from edgespec import Engine, Model, ModelDrafter, calibration
@@ -128,14 +128,14 @@ def test_the_shape_follows_the_machines_costs(engine, monkeypatch):
     assert flat.tokens == steep.tokens
 
 
-def test_sampled_answers_with_trees_keep_the_targets_law(engine, monkeypatch):
-    """The first token of seeded answers at temperature 1 follows the law from Llama's logits
-    (chi-square), drawn through siblings accepted by recursive rejection sampling and resampled."""
-    monkeypatch.setattr(engine, "costs", GpuCosts())
-    params = {"temperature": 1.0, "top_k": 8, "top_p": 1.0, "min_p": 0.0}
-    answer = engine.generate(PROMPT, raw=True, max_tokens=16, seed=1, **params)
-    assert answer.stats.tree_rounds > 0
-    assert_first_token_law(engine, PROMPT, params, "auto", 600, draft_mode="model")
+def test_sampled_answers_with_trees_keep_the_targets_law(tiny_engine, monkeypatch):
+    """The first token of seeded answers follows the law from Llama's logits (chi-square), drawn
+    through siblings accepted by recursive rejection sampling and resampled: judged on runs of
+    which many took a sibling (a tiny pair, whose draft is often wrong: the law is the point)."""
+    monkeypatch.setattr(tiny_engine, "costs", GpuCosts())
+    params = {"temperature": TINY_TEMPERATURE, "top_k": 8, "top_p": 1.0, "min_p": 0.0}
+    taken = assert_first_token_law(tiny_engine, PROMPT, params, "auto", 1500, draft_mode="model")
+    assert taken >= 100, taken
 
 
 CALLS = "total = add(1, 2)\nprint(total)\ntotal = add(3, 4)\nprint(total)\ntotal = mul(1, 2)\nprint(total)\n"
@@ -154,7 +154,7 @@ def test_copies_branch_where_the_text_went_on_otherwise(copier, monkeypatch):
     monkeypatch.setattr(copier, "costs", GpuCosts())
     flat = copier.generate(CALLS, raw=True, max_tokens=LENGTH, temperature=0)
     assert flat.stats.tree_rounds > 0
-    assert 0 <= flat.stats.alpha_by_source["copy-sibling1"] <= 1  # the share of its branches taken
+    assert "copy-sibling1" in flat.stats.alpha_by_source  # its branches were reached, and judged
     assert_greedy_as_llama("copy trees", copier, CALLS, flat.tokens, raw=True, limit=LENGTH)
     monkeypatch.setattr(copier, "costs", SteepCosts())
     steep = copier.generate(CALLS, raw=True, max_tokens=LENGTH, temperature=0)

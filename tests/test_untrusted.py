@@ -17,6 +17,7 @@ import httpx
 import pytest
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata, get_field_data
 from test_cli import assert_one_line_error, run
+from tiny_models import write_tiny
 
 import edgespec
 from edgespec import kernels, store
@@ -53,12 +54,20 @@ def with_chat_template(source, destination, template: str):
 
 @pytest.fixture(scope="module")
 def hostile_models(smollm2_path, tmp_path_factory):
+    """A tiny model with SmolLM2's tokenizer (tiny_models.py) under each hostile template: the
+    template is the point, and twelve copies of a real model took a minute and a half to write."""
     folder = tmp_path_factory.mktemp("hostile")
-    models = {name: with_chat_template(smollm2_path, folder / f"{name}.gguf", t) for name, t in HOSTILE.items()}
-    for (
-        path
-    ) in models.values():  # which kernels work is found here (and said, on a CPU where some crash), not in the tests
-        kernels.choose_repack(path, os.cpu_count() or 1, 0)
+    base = write_tiny(folder / "base.gguf", "llama", smollm2_path)
+    models = {
+        name: write_tiny(folder / f"{name}.gguf", "llama", smollm2_path, chat_template=t) for name, t in HOSTILE.items()
+    }
+    # which kernels work is found here (and said, on a CPU where some crash), not in the tests: once,
+    # for the weights every copy shares
+    threads = os.cpu_count() or 1
+    kernels.choose_repack(base, threads, 0)
+    verdict = store.read()[kernels.verdict_key(base, threads, 0)]
+    for path in models.values():
+        store.write(kernels.verdict_key(path, threads, 0), verdict)
     return models
 
 

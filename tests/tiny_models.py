@@ -9,6 +9,7 @@ themselves, so copies are accepted and rejected.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import gguf
@@ -23,6 +24,7 @@ D_STATE, D_CONV, DT_RANK = 8, 4, 8  # Mamba's scan: state size, convolution widt
 L_CACHE = 3  # LFM2's short convolution
 
 
+@functools.cache  # a 262k vocabulary takes seconds to read
 def _tokenizer_fields(source: Path) -> list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
     reader = gguf.GGUFReader(source, "r")
     fields = []
@@ -33,7 +35,7 @@ def _tokenizer_fields(source: Path) -> list[tuple[str, object, gguf.GGUFValueTyp
             fields.append((name, get_field_data(reader, name), vtype, sub))
         elif name == gguf.Keys.Tokenizer.CHAT_TEMPLATE:
             fields.append((name, get_field_data(reader, name), gguf.GGUFValueType.STRING, None))
-    return fields
+    return tuple(fields)
 
 
 def _write_out(writer: gguf.GGUFWriter, fields, tensors: dict[str, np.ndarray]) -> None:
@@ -122,6 +124,7 @@ QWEN35_KV_HEADS = 2
 # pure recurrent; hybrid without snapshots; hybrids with them (short convolutions; Gated DeltaNet)
 ARCHS = ("mamba", "jamba", "lfm2", "qwen35")
 ATTENTION_LAYERS = {"mamba": (), "jamba": (1, 3), "lfm2": (1, 3), "qwen35": (3,)}  # qwen35: every 4th
+ATTENTION_LAYERS["llama"] = tuple(range(N_LAYER))  # a plain transformer: the sampling tests' fast target
 
 
 def write_tiny(
@@ -133,15 +136,20 @@ def write_tiny(
     noise: float = 0.0,
     split_tensors: int = 0,
     mtp: bool = False,
+    chat_template: str | None = None,
 ) -> Path:
     """A random `arch` model at `path`; `noise` > 0 perturbs the last block's weights of `seed`
     by that share (a draft model that agrees with its target often, not always). split_tensors:
     written as a split GGUF of that many tensors a part (path's stem-0000i-of-0000N.gguf, as
     llama.cpp's gguf-split names them; the first part is returned). mtp (qwen35): a
     multi-token-prediction block after the trunk, as Qwen3.5's GGUFs have it (a full-attention
-    block with the NextN tensors; random: its drafts are almost never accepted)."""
+    block with the NextN tensors; random: its drafts are almost never accepted). chat_template: in
+    place of the tokenizer's own."""
     rng = np.random.default_rng(seed)
     fields = _tokenizer_fields(tokenizer)
+    if chat_template is not None:
+        template = (gguf.Keys.Tokenizer.CHAT_TEMPLATE, chat_template, gguf.GGUFValueType.STRING, None)
+        fields = [f for f in fields if f[0] != template[0]] + [template]
     n_vocab = len(next(value for name, value, *_ in fields if name == gguf.Keys.Tokenizer.LIST))
     tensors: dict[str, np.ndarray] = {"token_embd.weight": rng.normal(0, 1.0, (n_vocab, N_EMBD))}
     tensors["token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight"] = np.ones(N_EMBD)
@@ -203,7 +211,7 @@ def write_tiny(
     elif arch == "lfm2":
         writer.add_shortconv_l_cache(L_CACHE)
         writer.add_rope_freq_base(10000.0)
-    else:
+    elif arch != "llama":
         writer.add_ssm_conv_kernel(D_CONV)
         writer.add_ssm_inner_size(2 * N_EMBD)
         writer.add_ssm_state_size(D_STATE)

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from ..engine import Engine
 from ..engine_thread import EngineThread
-from ..errors import EdgespecError, PromptExceedsContext
+from ..errors import EdgespecError, EngineFault, PromptExceedsContext
 from ..fim import Infill
 from ..passes import Pass
 from ..request import Request, RequestError
@@ -134,7 +134,7 @@ class Worker:
         """Requests running and waiting, and the target's cache, now (read from any thread)."""
         running, waiting = self.thread.load
         target = self.engine.target
-        return ServerLoad(running, waiting, target.cells_used, target.n_ctx * target.n_seq)
+        return ServerLoad(running, waiting, target.cells_used, target.n_ctx * target.n_seq, self.thread.idle_faults)
 
     def _answer(self, job: Job, index: int, request: Request) -> Iterator[Pass]:
         """Answer `index` of the job, a step at a time: its Run, its events, then None; returns the
@@ -144,8 +144,8 @@ class Worker:
         except PromptExceedsContext as e:
             job.send(ContextExceeded(e), index)
             return None
-        except EdgespecError as e:  # a parameter is out of range, a template fails, ...
-            job.send(ApiError(400, str(e)), index)
+        except Exception as e:  # the request's own fault is a 400, anything else a 500 (failure_of)
+            job.send(failure_of(e, self.metrics), index)
             return None
         job.send(run, index)  # the request is good: its answer may begin before the prefill
         text = []
@@ -157,12 +157,8 @@ class Worker:
                     continue
                 job.send(event, index)
                 text.append(event.text)
-        except EdgespecError as e:  # the request's grammar stopped working (see grammar.py)
-            job.send(ApiError(400, str(e)), index)
-            return None
-        except Exception as e:  # a llama.cpp failure: answer 500, keep serving
-            log.error("generation failed: %s: %s", type(e).__name__, e)
-            job.send(ApiError(500, f"generation failed ({type(e).__name__})"), index)
+        except Exception as e:  # a grammar that stopped working is a 400; a decode that failed a 500
+            job.send(failure_of(e, self.metrics), index)
             return None
         finally:
             steps.close()
@@ -170,6 +166,20 @@ class Worker:
         self.metrics.add(run.stats)
         job.send(None, index)
         return "".join(text)
+
+
+def failure_of(error: Exception, metrics: Metrics) -> ApiError:
+    """What a failure while answering tells the client: the request's own fault (bad input the
+    engine found: a parameter out of range, a template that refuses these messages, a grammar
+    that stopped working) is a 400 naming it; anything else (an EngineFault, llama.cpp refusing,
+    a bug of ours) is a 500 that says it is the server's, with the traceback in the log and a
+    count in /metrics."""
+    if isinstance(error, EdgespecError) and not isinstance(error, EngineFault):
+        return ApiError(400, str(error))
+    log.error("a request failed on the server's side", exc_info=error)
+    metrics.fault()
+    reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    return ApiError(500, f"the server failed on this request, not because of it ({reason}); see the server log")
 
 
 # --- the HTTP API -----------------------------------------------------------------------
@@ -264,8 +274,8 @@ class Api:
             count = partial(self.worker.engine.prompt_tokens, counted, fit=False)
             try:
                 tokens = await asyncio.wrap_future(self.worker.thread.submit(count))
-            except EdgespecError as e:
-                raise ApiError(400, str(e)) from None
+            except Exception as e:  # a template refusing the messages is a 400, a bug a 500
+                raise failure_of(e, self.worker.metrics) from None
             return JSONResponse({"input_tokens": len(tokens)})
         except ApiError as e:
             log.warning("%s %s: %d %s", request.method, request.url.path, e.status, e)
@@ -287,20 +297,21 @@ class Api:
             answer = Answer(job, started)
             if job.stream:
                 watcher, streaming = None, watcher  # the stream owns it from here
-                return StreamingResponse(_stream(dialect, answer, streaming), media_type="text/event-stream")
+                return StreamingResponse(
+                    _stream(dialect, answer, streaming, self.worker.metrics), media_type="text/event-stream"
+                )
             return JSONResponse(await dialect.whole(answer))
         except ApiError as e:
             log.warning("%s %s: %d %s", request.method, request.url.path, e.status, e)
             return dialect.error(e)
-        except Exception as e:  # a bug of ours: one log line and a 500, no traceback to anyone
-            log.error("%s %s: internal error %s: %s", request.method, request.url.path, type(e).__name__, e)
-            return dialect.error(ApiError(500, "internal error; see the server log"))
+        except Exception as e:  # a bug of ours: a 500 saying so, its traceback in the log
+            return dialect.error(failure_of(e, self.worker.metrics))
         finally:
             if watcher is not None:
                 watcher.cancel()
 
 
-async def _stream(dialect: Dialect, answer: Answer, watcher: asyncio.Task) -> AsyncIterator[str]:
+async def _stream(dialect: Dialect, answer: Answer, watcher: asyncio.Task, metrics: Metrics) -> AsyncIterator[str]:
     """The dialect's events, a keep-alive whenever none came for KEEPALIVE_S (an agent's
     20k-token prompt takes minutes to read on a CPU, and clients give up on a silent stream);
     a failure on the way as the dialect's error event."""
@@ -318,6 +329,8 @@ async def _stream(dialect: Dialect, answer: Answer, watcher: asyncio.Task) -> As
     except ApiError as e:
         log.warning("the answer failed while streaming: %s", e)
         yield dialect.stream_error(e)
+    except Exception as e:  # a bug of ours midway: the dialect's error event, never a silent close
+        yield dialect.stream_error(failure_of(e, metrics))
     finally:
         if step is not None:
             step.cancel()

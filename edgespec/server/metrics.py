@@ -19,6 +19,10 @@ class ServerLoad:
     deferred: int
     kv_tokens: int
     n_ctx: int
+    idle_faults: int = 0  # idle steps that failed (EngineThread.idle_faults)
+
+
+FAULTS_HELP = "The server's own failures: requests (a 500 or an error event), idle work (retried)"
 
 
 class Metrics:
@@ -30,6 +34,12 @@ class Metrics:
         self._answers = 0
         self._last_speedup = 0.0
         self._longest = 0
+        self._faults = 0  # requests that failed on the server's side
+
+    def fault(self) -> None:
+        """A request answered 500, or ended by an error event, for a failure of the server's own."""
+        with self._lock:
+            self._faults += 1
 
     def add(self, stats: Stats) -> None:
         """One answer's final statistics."""
@@ -46,14 +56,15 @@ class Metrics:
             answers, speedup, longest = self._answers, self._last_speedup, self._longest
             drafted, accepted = dict(t.drafted_by_source), dict(t.accepted_by_source)
             rounds = dict(t.rounds_by_source)
+            faults = {"request": self._faults, "idle": load.idle_faults}
         lines: list[str] = []
 
-        def family(name: str, kind: str, about: str, value: float | dict[str, float]) -> None:
-            """One metric: a value, or values by draft source."""
+        def family(name: str, kind: str, about: str, value: float | dict[str, float], label: str = "source") -> None:
+            """One metric: a value, or values by a label (the draft source)."""
             lines.extend((f"# HELP {name} {about}", f"# TYPE {name} {kind}"))
-            by_source = value.items() if isinstance(value, dict) else [(None, value)]
-            for source, v in by_source:
-                labels = "" if source is None else f'{{source="{source}"}}'
+            by_label = value.items() if isinstance(value, dict) else [(None, value)]
+            for name_of, v in by_label:
+                labels = "" if name_of is None else f'{{{label}="{name_of}"}}'
                 lines.append(f"{name}{labels} {float(v)!r}")
 
         family(
@@ -88,6 +99,13 @@ class Metrics:
             "counter",
             "Draft tokens kept, by source",
             {s: accepted.get(s, 0) for s in drafted},
+        )
+        family(
+            "edgespec:faults_total",
+            "counter",
+            FAULTS_HELP,
+            faults,
+            "where",
         )
         family("edgespec:measured_speedup", "gauge", "The last measured answer's speed over the target alone", speedup)
         return "\n".join(lines) + "\n"
