@@ -185,3 +185,21 @@ def test_the_readmes_hub_command_runs_as_written(fake, capsys, ggufs):
     assert [s.path for s in fake.served if s.method == "GET" and "/resolve/" in s.path] == [
         f"/{repo}/resolve/main/model-q4_k_m.gguf"
     ]
+
+
+@pytest.mark.parametrize("raised", [OSError("connection reset"), AttributeError("a bug of ours")])
+def test_a_listing_that_fails_on_the_network_says_so_and_a_bug_surfaces(fake, monkeypatch, raised):
+    """The hub library's and its HTTP client's failures are the network's: one line naming the
+    repo; anything else (our own AttributeError) is raised as it is, not taken for the network."""
+    from huggingface_hub import HfApi
+
+    def failing(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(HfApi, "list_repo_tree", failing)
+    if isinstance(raised, OSError):
+        with pytest.raises(EdgespecError, match=f"could not list {REPO} .*connection reset.*check your network"):
+            hub.list_repo(REPO)
+    else:
+        with pytest.raises(AttributeError, match="a bug of ours"):
+            hub.list_repo(REPO)
