@@ -26,6 +26,7 @@ import ctypes
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,7 +165,8 @@ class PromptCache:
 
     def load_from_disk(self, models) -> int:
         """Take in the states save_to_disk kept for these models (most recent first, within the
-        budget); a file that does not verify is removed. Returns how many were taken."""
+        budget); a file that does not verify (a disk that lost part of a write, a copy cut short)
+        is set aside as NAME.damaged, said in one line, the others taken. Returns how many were taken."""
         files = [(path, model) for model in models for path in state_folder(model).glob("*.state")]
         files.sort(key=lambda found: _mtime(found[0]), reverse=True)
         loaded = 0
@@ -173,7 +175,11 @@ class PromptCache:
                 continue
             state = _read(path, model)
             if state is None:
-                path.unlink(missing_ok=True)
+                if path.exists():  # (a model drafting for itself lists its files twice)
+                    aside = path.with_suffix(".damaged")
+                    os.replace(path, aside)
+                    said = f"edgespec: the saved prompt state {path} does not verify; set aside as {aside.name}"
+                    print(said, file=sys.stderr)
             elif len(state.tokens) < model.n_ctx:
                 self.states.insert(0, state)  # older than what this run saves
                 loaded += 1

@@ -288,7 +288,7 @@ def test_responses_auto_agent_loop_gets_the_call_the_model_wrote(server):
 def test_the_prompt_cache_outlives_a_restart():
     """A server keeps its prompt cache on disk when it stops and the next one starts with it: the
     first request after a restart reads its prompt from the cache. A file that does not verify is
-    removed."""
+    set aside, said in the log, and the server answers."""
     system = f"Session {secrets.token_hex(8)}. " + "You answer questions about the sea. " * 60
     ask = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
     again = [*ask[:1], {"role": "user", "content": "Hello there"}]
@@ -314,10 +314,11 @@ def test_the_prompt_cache_outlives_a_restart():
     damaged.write_bytes(bytes(data))
     third = Server("--pair", "smollm2-self", "--ctx", "2048")
     try:
-        assert not damaged.exists()
+        assert not damaged.exists() and damaged.with_suffix(".damaged").exists()
         third.client().chat.completions.create(model="x", messages=again, max_tokens=4)
     finally:
         assert third.stop() == 0
+    assert any(f"{damaged.name} does not verify; set aside" in line for line in third.lines), "".join(third.lines)
 
 
 # --- keep-alives ---------------------------------------------------------------------

@@ -53,7 +53,8 @@ class Server:
         threading.Thread(target=read_log, daemon=True).start()
         if not started.wait(START_S) or not hasattr(self, "url"):
             self.process.kill()
-            raise AssertionError(f"the server did not start within {START_S} s: " + "".join(self.lines))
+            ended = f"ended with {self.process.wait()}" if started.is_set() else f"did not start within {START_S} s"
+            raise AssertionError(f"the server {ended}: " + "".join(self.lines))
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)
