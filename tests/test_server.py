@@ -23,6 +23,7 @@ from edgespec.modes import DraftMode, Gamma
 from edgespec.request import Defaults
 from edgespec.run import Event
 from edgespec.server.answers import Answer, Job
+from edgespec.server.llama_api import request_of
 
 CTX = 1024
 HELLO = [{"role": "user", "content": "Say hello in three words."}]
@@ -91,6 +92,10 @@ def test_a_servers_defaults_fill_only_what_a_request_leaves_unset():
     own = Request.of("hi", temperature=1.2, max_tokens=3, draft_mode="off", gamma=2).settled(defaults)
     assert (own.sampling.temperature, own.max_tokens, own.draft_mode, own.gamma) == (1.2, 3, "off", Gamma(2))
     assert Request("hi").settled(Defaults()).sampling.temperature == edgespec.SamplingParams().temperature
+    # llama.vscode's samplers leave temperature out: its chain is at temperature 1, not the server's
+    chain = request_of({"prompt": "x", "samplers": ["top_k", "top_p"]}, infill=False).settled(defaults)
+    assert chain.sampling.temperature == 1.0
+    assert request_of({"prompt": "x"}, infill=False).settled(defaults).sampling.temperature == 0.0
 
 
 def test_chat_equals_the_library_answer(server, engine):

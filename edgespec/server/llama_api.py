@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse
 
 from ..fim import Chunk, Infill
 from ..request import Request, RequestError
+from ..sampling import SamplingParams
 from ..stats import Stats
 from .answers import MAX_ANSWERS, Answer, ApiError, Dialect, Job, Piece, refused, sse
 from .api_body import completion_prompt, constraint_of, json_field, own_fields, sampling_of
@@ -59,12 +60,13 @@ def request_of(body: dict, *, infill: bool) -> Request:
         raise RequestError("'n_indent' must be >= 0", "n_indent")
     deadline_ms = json_field(body, "t_max_predict_ms", (int, float), 0)
     json_schema, grammar = constraint_of(body)
-    fields = own_fields(body)
+    sampling, sets_temperature = _sampling(body)
+    fields = own_fields(body) | {"sets_temperature": sets_temperature}
     if fields["heal"] is None and json_schema is None and grammar is None:
         fields["heal"] = True  # an editor's text ends where the user is typing: mid-word, often
     return Request(
         _infill(body) if infill else completion_prompt(body),
-        _sampling(body),
+        sampling,
         max_tokens=None if n_predict == -1 else n_predict,
         stop=body.get("stop") or (),
         min_indent=indent,
@@ -107,14 +109,15 @@ def _infill(body: dict) -> Infill:
     return Infill(body["input_prefix"], body["input_suffix"], cursor, chunks)
 
 
-def _sampling(body: dict):
+def _sampling(body: dict) -> tuple[SamplingParams, bool]:
     """sampling_of the body, seed -1 meaning none, and `samplers` (names or letters) switching
-    off what it does not name."""
+    off what it does not name; and whether the body fixes the temperature (its own, or 1 where
+    its samplers leave temperature out: then a server's default does not apply)."""
     body = body | {"seed": None} if body.get("seed") == -1 else body
-    sampling = sampling_of(body)
+    sampling, given = sampling_of(body), body.get("temperature") is not None
     samplers = body.get("samplers")
     if samplers is None:
-        return sampling
+        return sampling, given
     if isinstance(samplers, str):
         named = [SAMPLER_CHARS.get(c, c) for c in samplers]
         table = SAMPLER_CHARS.values()
@@ -128,7 +131,7 @@ def _sampling(body: dict):
             f"unknown sampler '{unknown[0]}'; use top_k, top_p, min_p, temperature or infill", "samplers"
         )
     on = set(named)
-    return replace(
+    chain = replace(
         sampling,
         top_k=sampling.top_k if "top_k" in on else 0,
         top_p=sampling.top_p if "top_p" in on else 1.0,
@@ -136,6 +139,7 @@ def _sampling(body: dict):
         temperature=sampling.temperature if "temperature" in on else 1.0,
         infill="infill" in on,
     )
+    return chain, given or "temperature" not in on
 
 
 def timings(stats: Stats) -> dict:

@@ -100,12 +100,6 @@ class Metrics:
             "Draft tokens kept, by source",
             {s: accepted.get(s, 0) for s in drafted},
         )
-        family(
-            "edgespec:faults_total",
-            "counter",
-            FAULTS_HELP,
-            faults,
-            "where",
-        )
+        family("edgespec:faults_total", "counter", FAULTS_HELP, faults, label="where")
         family("edgespec:measured_speedup", "gauge", "The last measured answer's speed over the target alone", speedup)
         return "\n".join(lines) + "\n"
