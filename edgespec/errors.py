@@ -22,4 +22,4 @@ class PromptExceedsContext(EdgespecError):
         super().__init__(
             f"the prompt is {size} but the context holds {n_ctx} tokens{each}; shorten the prompt or {fix}"
         )
-        self.size, self.n_ctx = size, n_ctx
+        self.size, self.n_ctx, self.n_seq = size, n_ctx, n_seq

@@ -167,7 +167,12 @@ def test_claude_code_first_request_gets_a_context_error_it_understands(server):
         response = post(server, recording, recording["body"] | {"stream": stream})
         assert response.status_code == 400 and response.json()["type"] == "error", response.text
         message = response.json()["error"]["message"]
-        assert message.startswith("prompt is too long: ") and f"> {CTX} maximum" in message and "--ctx" in message
+        assert (
+            message.startswith("prompt is too long: ")
+            and f"> {CTX} maximum" in message
+            and "--ctx" in message
+            and "--parallel 1" in message
+        )
     counting = {k: v for k, v in recording["body"].items() if k not in ("max_tokens", "stream")}
     recording = recording | {"path": "/v1/messages/count_tokens?beta=true"}
     assert post(server, recording, counting).json()["input_tokens"] > CTX

@@ -43,7 +43,7 @@ class ContextExceeded(ApiError):
 
     def __init__(self, error: PromptExceedsContext) -> None:
         super().__init__(400, str(error), code="context_length_exceeded")  # the code clients act on
-        self.size, self.n_ctx = error.size, error.n_ctx
+        self.size, self.n_ctx, self.n_seq = error.size, error.n_ctx, error.n_seq
 
 
 @dataclass(eq=False)  # each job is itself (kept in a set)

@@ -269,6 +269,7 @@ def _block_event(kind: str, index: int, **fields) -> str:
 def _error(error: ApiError) -> dict:
     message = str(error)
     if isinstance(error, ContextExceeded):  # in Anthropic's words, which Claude Code looks for
-        message = f"prompt is too long: {error.size} > {error.n_ctx} maximum; start edgespec serve with a larger --ctx"
+        fix = "a larger --ctx" + (", or --parallel 1 (one request with all of it)" if error.n_seq > 1 else "")
+        message = f"prompt is too long: {error.size} > {error.n_ctx} maximum; start edgespec serve with {fix}"
     kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
