@@ -104,14 +104,17 @@ class Engine:
             pass
 
     def idle_step(self) -> bool:
-        """One step of idle work (a cost re-check, or a prompt pass or round of an editor's next
-        request, IDLE_PASS_S at most on this machine); False where there was none. A request
+        """One step of idle work (a cost re-check, a saved prompt state written to disk, the memory
+        saved, or a prompt pass or round of an editor's next request, IDLE_PASS_S at most on this
+        machine); False where there was none. A request
         started meanwhile stops the work in progress; what it read stays cached."""
         if self.costs.recheck is not Recheck.NONE:
             self.costs.upkeep()
             return True
+        if self.target.prompt_cache is not None and self.target.prompt_cache.spill():
+            return True
         memory = self.memory
-        if memory is not None and memory.dirty and monotonic() - memory.saved_at > MEMORY_SAVE_S:
+        if memory is not None and memory.dirty and monotonic() - memory.saved_at >= MEMORY_SAVE_S:
             memory.save_or_say()
             return True
         if self._idle is None:
@@ -138,6 +141,16 @@ class Engine:
                 self._idle = None
                 self.prompts.keystrokes.answered(idle.run.request, idle.run.layout, "".join(idle.text), idle=True)
         return True
+
+    def idle_due(self) -> float | None:
+        """Seconds until idle work that waits for time to pass is due (a saved prompt state to
+        write to disk, the memory to save), where idle_step() has none now; None: there is none."""
+        due = []
+        if self.target.prompt_cache is not None:
+            due.append(self.target.prompt_cache.spill_due())
+        if self.memory is not None and self.memory.dirty:
+            due.append(max(0.0, self.memory.saved_at + MEMORY_SAVE_S - monotonic()))
+        return min((d for d in due if d is not None), default=None)
 
     def answers_together(self, count: int) -> bool:
         """Whether `count` answers to one prompt (OpenAI's n, llama-server's n_cmpl) are made side

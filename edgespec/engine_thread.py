@@ -136,9 +136,12 @@ class EngineThread:
                 return self._queue.get(timeout=max(0.0, rested - perf_counter()))
             except queue.Empty:
                 pass
-            if self._idle_step() is False:
+            if self._idle_step() is not False:
+                rested = perf_counter() + self._rest(0.0)
+            elif (due := self.engine.idle_due() if self.engine is not None else None) is not None:
+                rested = perf_counter() + due  # work that waits for time to pass (Engine.idle_due)
+            else:
                 return self._queue.get()
-            rested = perf_counter() + self._rest(0.0)
 
     def _rest(self, seconds: float) -> float:
         """How long to wait before the next idle step: `seconds`, or after failures in a row a

@@ -84,11 +84,13 @@ def load(
     hybrid draft with the heads where they are the drafter) are the engine's defaults;
     auto measures this machine's costs at first use and chooses per round.
     n_ctx: the context in tokens; None: the target's trained context, capped so that both
-    KV caches take at most a quarter of this machine's memory (the draft gets the same size).
+    KV caches take at most a quarter of this machine's memory (the draft gets the same size, its
+    keys and values in q8_0: Model's compact_cache).
     Flash attention is on or off, whichever this machine runs faster (measured at load, once a day).
-    n_gpu_layers offloads layers on Metal/CUDA builds. cache_ram: MiB of RAM for the KV
-    states of earlier prompts (prompt_cache.py), so alternating conversations each pay only
-    for their new part; 0 keeps only the live one. check_template: render the target's chat
+    n_gpu_layers offloads layers on Metal/CUDA builds. cache_ram: MiB for the KV
+    states of earlier prompts (prompt_cache.py: in RAM while in use, written to disk by the
+    engine's idle work), so alternating conversations each pay only for their new part; 0
+    keeps only the live one. check_template: render the target's chat
     template once (in the sandbox) before the models are loaded and timed, so that a hostile
     one fails at once (the command line does, for chat prompts); otherwise it fails per request
     and raw text still works. parallel: requests the engine answers at once (a sequence each in
@@ -148,6 +150,7 @@ def load(
                     snapshots=snapshots,
                     n_seq=parallel,
                     load_mtp=heads and not models,
+                    compact_cache=bool(models),  # a draft's q8_0 cache: its rounding never reaches an answer
                 )
             )
         drafter = None

@@ -140,7 +140,9 @@ class Memory:
         kept_from = 0
         for old in self.sequences[-RECENT:]:
             text = self._text(old)
-            same = old.offset + common_prefix(text, tokens[old.offset :], len(tokens))
+            shared = common_prefix(text, tokens[old.offset :], len(tokens))
+            # parted at or before its offset (a shorter or another prompt): where, the sequence before it knows
+            same = old.offset + shared if shared else 0
             if same == len(tokens):  # all of it is there already (a shorter answer to the same prompt)
                 return
             if same == old.offset + len(text):  # its conversation's next turn

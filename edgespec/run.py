@@ -215,6 +215,8 @@ class Run:
                         stats.finish_reason = "stop"
                         break
                     stats.n_tokens, stats.decode_s = stats.n_tokens + 1, perf_counter() - start
+                    if stats.n_tokens == 1:
+                        stats.first_token_s = stats.prefill_s + stats.decode_s
                     piece = target.piece(token)
                     source = "draft" if new.from_draft else "target"
                     yield Event(self.text.push(piece), token, source, stats, new.logprob)
@@ -261,7 +263,7 @@ class Run:
             clock = RoundClock()
             # the controller picks a drafter and γ (or none); drafts past the context or the budget are wasted
             room = min(target.n_ctx - len(seq), self.limit - len(seq) - 1)
-            plan = controller.plan(seq, room, constraint)
+            plan = controller.plan(seq, room, constraint, first=len(seq) == len(self.prompt))
             clock.mark("draft")
             draft, drafting = yield from _own_time(controller.draft(plan, seq, params, self.rng, constraint))
             clock.mark("draft", own=drafting)  # (other runs' steps may have come between its draft model's passes)

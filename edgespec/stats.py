@@ -37,6 +37,7 @@ SUMMED = (
     "tree_drafted",
     "n_tokens",
     "prefill_s",
+    "first_token_s",
     "decode_s",
     "draft_s",
     "verify_s",
@@ -139,6 +140,7 @@ class Stats:
     tree_drafted: int = 0  # the nodes of those trees
     n_tokens: int = 0  # tokens generated (prompt excluded)
     prefill_s: float = 0.0
+    first_token_s: float = 0.0  # start -> the first answer token: the prefill and the first round (see plan's first)
     decode_s: float = 0.0  # end of prefill -> last token
     draft_s: float = 0.0  # of decode_s: making drafts
     verify_s: float = 0.0  # of decode_s: the target's batched forward + accept/resample
@@ -320,4 +322,7 @@ class Stats:
         if self.recall_s:
             rollback += f", memory lookups {self.recall_s * 1e3:.1f}ms"
         split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s{rollback}, other {self.other_s:.2f}s"
-        return f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, decode {self.decode_s:.2f}s ({split})"
+        return (
+            f"{line}, {self.rounds} rounds, prefill {self.prefill_s:.2f}s, first token {self.first_token_s:.2f}s,"
+            f" decode {self.decode_s:.2f}s ({split})"
+        )

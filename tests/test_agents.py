@@ -292,8 +292,8 @@ def test_responses_auto_agent_loop_gets_the_call_the_model_wrote(server):
 
 def test_the_prompt_cache_outlives_a_restart():
     """A server keeps its prompt cache on disk when it stops and the next one starts with it: the
-    first request after a restart reads its prompt from the cache. A file that does not verify is
-    set aside, said in the log, and the server answers."""
+    first request after a restart reads its prompt from the cache. A file that does not verify when
+    a prompt reads it is set aside, said in the log, and the server answers."""
     system = f"Session {secrets.token_hex(8)}. " + "You answer questions about the sea. " * 60
     ask = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
     again = [*ask[:1], {"role": "user", "content": "Hello there"}]
@@ -318,9 +318,9 @@ def test_the_prompt_cache_outlives_a_restart():
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
     third = Server("--pair", "smollm2-self", "--ctx", "2048")
-    try:
-        assert not damaged.exists() and damaged.with_suffix(".damaged").exists()
+    try:  # (a file's data is checked when a prompt reads it)
         third.client().chat.completions.create(model="x", messages=again, max_tokens=4)
+        assert not damaged.exists() and damaged.with_suffix(".damaged").exists()
     finally:
         assert third.stop() == 0
     assert any(f"{damaged.name} does not verify; set aside" in line for line in third.lines), "".join(third.lines)

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY_TEMPERATURE, GpuCosts, tiny_pair
+from conftest import TINY_TEMPERATURE, FixedCurve, GpuCosts, tiny_pair
 from reference import assert_first_token_law, assert_greedy_as_llama
 
 import edgespec
 from edgespec import Draft, Drafter, DraftMode, EdgespecError, Engine, Model, ModelDrafter, Request, SamplingParams
+from edgespec.calibration import TARGET_SIZES, CostCurve
 from edgespec.resolve import resolve_model
 
 PROMPTS = [
@@ -80,6 +81,27 @@ def test_first_token_distribution_matches_target(tiny_engine, mode, monkeypatch)
     params = dict(temperature=TINY_TEMPERATURE, top_k=20, top_p=1.0, min_p=0.0)
     gamma = "auto" if mode == "auto" else 3
     assert_first_token_law(tiny_engine, ANIMAL, params, gamma, 2000, draft_mode=mode)
+
+
+class SlowDraftCosts(GpuCosts):
+    """A pass of any size costs one step, the draft model's step 0.3 of one: the model pays (long
+    drafts on a good pair), but every round it drafts takes 1.3 steps or more."""
+
+    def curve(self, model: Model, sizes=TARGET_SIZES) -> CostCurve:
+        step = 0.01 if sizes == TARGET_SIZES else 0.003
+        return self._curves.setdefault((model, sizes), FixedCurve({k: step for k in sizes}))
+
+
+def test_the_first_token_comes_from_a_round_no_slower_than_a_plain_step(tiny_engine, monkeypatch):
+    """Auto where the draft model pays but makes a round slower than a plain step by more than
+    FIRST_TOKEN_SLACK: the first round, whose end the first token waits for, drafts nothing, the
+    rounds after it draft; greedy, the answer is Llama's."""
+    monkeypatch.setattr(tiny_engine, "costs", SlowDraftCosts())
+    run = tiny_engine.start(ANIMAL, raw=True, max_tokens=24, temperature=0, draft_mode="auto", gamma="auto")
+    events = list(tiny_engine.events(run))
+    assert events[0].source == "target" and "draft" in {e.source for e in events[1:]}
+    assert run.stats.first_token_s >= run.stats.prefill_s > 0
+    assert_greedy_as_llama("first round plain", tiny_engine, ANIMAL, [e.token for e in events[:-1]], raw=True)
 
 
 def test_first_token_distribution_without_any_filter(tiny_engine):
@@ -235,10 +257,14 @@ def test_importing_stats_and_requests_checks_does_not_start_llama_cpp():
     assert not [p.name for p in shipped.glob("*.py") if "unittest" in p.read_text()]
 
 
-def test_a_saved_state_pushed_out_while_the_live_one_is_kept_still_comes_back():
+def test_a_saved_state_pushed_out_while_the_live_one_is_kept_still_comes_back(monkeypatch):
     """The budget holds one state: keeping the live prompt (another conversation's) pushes out the
-    saved state the new prompt continues; that state is still brought back, and the budget holds."""
+    saved state the new prompt continues; that state is still brought back, and what the cache holds
+    then is the conversation it displaced (the one brought back is live), within the budget."""
+    from edgespec import prompt_cache
     from edgespec.prompt_cache import MIN_TOKENS, PromptCache, SavedState
+
+    monkeypatch.setattr(prompt_cache, "state_folder", lambda model: Path("unused"))  # (held in RAM: never written)
 
     class Stand:  # a model (and its cache) whose state costs a byte a token
         recurrent = False
@@ -257,6 +283,67 @@ def test_a_saved_state_pushed_out_while_the_live_one_is_kept_still_comes_back():
     saved = list(range(1000, 1000 + 2 * MIN_TOKENS))
     model = Stand(range(2 * MIN_TOKENS))  # the live cache: another conversation
     cache = PromptCache(budget_bytes=3 * MIN_TOKENS)
-    cache.states.append(SavedState(id(model), saved, bytearray(len(saved))))
+    cache.states.append(SavedState(id(model), saved, len(saved), Path("unused"), data=bytearray(len(saved))))
     assert cache.swap(model, saved + [7, 8], kept=0) == len(saved) and model.tokens == saved
-    assert [s.tokens for s in cache.states] == [saved] and cache.size <= cache.budget
+    assert [s.tokens for s in cache.states] == [list(range(2 * MIN_TOKENS))] and cache.size <= cache.budget
+
+
+def test_a_saved_prompt_leaves_ram_for_disk_and_comes_back_checked(self_engine, tmp_path, monkeypatch, capsys):
+    """Idle, a conversation's saved state goes to disk and leaves RAM; its next turn reads it back
+    from there (the answer Llama's); a file damaged meanwhile is set aside, said in one line, and the
+    prompt read again."""
+    from edgespec import prompt_cache
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    sea = [{"role": "system", "content": "You answer about the sea. " * 30}, {"role": "user", "content": "A fish?"}]
+    rail = [{"role": "system", "content": "You answer about trains. " * 30}, {"role": "user", "content": "A train?"}]
+    target, cache = self_engine.target, prompt_cache.PromptCache(256 << 20)
+    target.prompt_cache = cache
+    try:
+        for turn in range(2):
+            self_engine.chat(sea, temperature=0, max_tokens=4)
+            self_engine.chat(rail, temperature=0, max_tokens=4)  # sea's state kept, in RAM
+            assert cache.in_ram > 0 and not cache.spill()  # (only once unused for a while)
+            assert 0 < self_engine.idle_due() <= prompt_cache.SPILL_AFTER_S  # (when the engine thread wakes for it)
+            with monkeypatch.context() as unused_since:
+                unused_since.setattr(prompt_cache, "SPILL_AFTER_S", 0.0)
+                while self_engine.idle_step():  # the engine's idle work writes them
+                    pass
+            files = list(tmp_path.glob("prompts/*/*.state"))
+            assert cache.in_ram == 0 and len(files) == len(cache.states) > 0
+            if turn == 0:
+                again = self_engine.chat(sea, temperature=0, max_tokens=8)
+                assert again.stats.n_prompt_cached > 0.9 * again.stats.n_prompt
+                assert_greedy_as_llama("read back from disk", self_engine, sea, again.tokens, limit=8)
+        sea_prompt = self_engine.prompt_tokens(sea)
+        (saved,) = [s for s in cache.states if s.tokens[: len(sea_prompt)] == sea_prompt]
+        damaged = bytearray(saved.path.read_bytes())
+        damaged[-1] ^= 0xFF
+        saved.path.write_bytes(bytes(damaged))
+        capsys.readouterr()
+        cold = self_engine.chat(sea, temperature=0, max_tokens=4)
+        assert cold.stats.n_prompt_cached < 0.5 * cold.stats.n_prompt
+        said = capsys.readouterr().err
+        assert said.count("\n") == 1 and f"{saved.path.name} does not verify; set aside" in said
+        assert saved.path.with_suffix(".damaged").exists() and saved not in cache.states
+    finally:
+        target.prompt_cache = None
+
+
+def test_a_draft_models_cache_is_compact_and_the_targets_f16():
+    """A loaded pair: the draft's keys (and, under flash attention, values) in q8_0, the target's
+    f16 as llama.cpp's default; llama.cpp's own state of the same tokens says so (34 bytes per 32
+    values against 64: at most 0.77 of the target's, 0.53 with both quantized)."""
+    import llama_cpp
+
+    from edgespec.model import N_BATCH_CPU
+
+    with edgespec.load("smollm2-self", n_ctx=512, cache_ram=0, memory=False, progress=False) as engine:
+        target, draft = engine.target, engine.draft_model
+        assert draft.compact_cache and not target.compact_cache and target.n_batch == draft.n_batch == N_BATCH_CPU
+        prompt = target.tokenize("The sea is wide and deep. " * 20)
+        for model in (target, draft):
+            model.eval(prompt)
+        target_size, draft_size = (llama_cpp.llama_state_seq_get_size(m.llama_context, 0) for m in (target, draft))
+        assert draft_size < 0.8 * target_size
+        assert draft.kv_bytes_per_token < 0.8 * target.kv_bytes_per_token  # (what serve says its caches take)

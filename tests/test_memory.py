@@ -219,6 +219,21 @@ def test_a_shared_beginning_is_kept_once_and_a_continued_conversation_once(tmp_p
     assert memory.tokens == 0 and not memory.path.exists()
 
 
+def test_a_short_prompt_after_a_conversations_later_turn_is_kept_whole_and_the_file_reads(tmp_path):
+    """A turn kept from its offset (what came before it is the first turn's) and then a prompt shorter
+    than that offset, of another conversation: it is kept whole (it once got a negative length, and
+    the next start set the user's memory file aside as damaged)."""
+    memory = Memory(VOCAB, folder=tmp_path)
+    system = list(range(100, 300))
+    memory.remember(system + [1, 2, 3])
+    memory.remember(system + [4, 5, 6])  # kept from a little before where it parts: offset > 0
+    assert memory.sequences[-1].offset > 50
+    memory.remember([7, 8, 9, 10])
+    assert remembered(memory)[-1] == [7, 8, 9, 10] and memory.sequences[-1].offset == 0
+    memory.save()
+    assert remembered(Memory(VOCAB, folder=tmp_path)) == remembered(memory)
+
+
 def test_a_recalled_text_is_found_again_after_the_target_writes_another_value():
     """An answer of the same shape as a remembered one: key 7's value is 60, not 50; once the target
     has written the separator after it, the remembered text is drafted again from there."""

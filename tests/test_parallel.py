@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from time import perf_counter
 
 import httpx
 import numpy as np
@@ -506,6 +507,9 @@ class Decoder:
             raise RuntimeError("a bug in idle work")
         return False
 
+    def idle_due(self) -> float | None:
+        return None
+
 
 def two_passes(name: str):
     """A task of two target passes: its name, or the first pass's error."""
@@ -553,6 +557,31 @@ def test_tasks_waiting_for_a_turn_start_when_the_running_ones_end():
     thread.engine.decode_fails = thread.engine.idle_fails = False
     futures = [thread.start(two_passes, f"task {i}") for i in range(4)]
     assert [f.result(timeout=10) for f in futures] == [f"task {i}" for i in range(4)]
+    thread.close()
+
+
+def test_idle_work_that_waits_for_time_is_done_when_it_is_due():
+    """Idle work due later (a saved prompt state written once unused for a while): with nothing
+    queued, the thread wakes when it is due and does it, rather than sleep until the next request."""
+
+    class Later(Decoder):
+        def __init__(self) -> None:
+            self.decode_fails = self.idle_fails = False
+            self.due_at, self.done = perf_counter() + 0.5, threading.Event()
+
+        def idle_step(self) -> bool:
+            if self.done.is_set() or perf_counter() < self.due_at:
+                return False
+            self.done.set()
+            return True
+
+        def idle_due(self) -> float | None:
+            return None if self.done.is_set() else max(0.0, self.due_at - perf_counter())
+
+    thread = EngineThread(parallel=1)
+    thread.engine = Later()
+    assert thread.start(two_passes, "job").result(timeout=10) == "job"
+    assert thread.engine.done.wait(timeout=10)
     thread.close()
 
 

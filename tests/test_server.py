@@ -528,5 +528,8 @@ def test_metrics_parse_and_move_with_a_request(server):
         drafted = after[("edgespec:draft_tokens_total", (("source", "model"),))]
         assert drafted == after[("llamacpp:spec_decode_num_draft_tokens_total", ())] > 0
         assert after[("llamacpp:kv_cache_tokens", ())] > 0 and after[("llamacpp:requests_processing", ())] == 0
+        assert after[("process_resident_memory_bytes", ())] > 100 << 20  # (a model and its cache are in it)
+        places = {dict(labels)["where"] for name, labels in after if name == "edgespec:prompt_cache_bytes"}
+        assert places == {"ram", "disk"}
     finally:
         assert metered.stop() == 0

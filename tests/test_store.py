@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 from edgespec import store
 from edgespec.prompt_cache import _read
@@ -29,7 +28,7 @@ print("ready", flush=True)
 for i in range(10**6):
     store.write(f"k{i % 8}", {"i": i, "pad": "x" * 50_000})
     data = (ctypes.c_uint8 * 400_000).from_buffer_copy(bytes([i % 2]) * 400_000)
-    _write(state, SavedState(0, [i % 2] * 100, data))
+    _write(state, SavedState(0, [i % 2] * 100, len(data), state.parent, data=data))
     print(i, flush=True)
 """
 
@@ -78,7 +77,7 @@ def test_killed_at_random_points_mid_write_the_next_start_is_clean(tmp_path, mon
     seeded = {f"seed{i}": {"n": i} for i in range(20)}
     for key, value in seeded.items():
         store.write(key, value)
-    state, rng, model = tmp_path / "prompt.state", random.Random(5), SimpleNamespace(n_vocab=10)
+    state, rng = tmp_path / "prompt.state", random.Random(5)
     env = os.environ | {"PYTHONPATH": ROOT}
     completed = 0
     for _ in range(20):
@@ -94,7 +93,7 @@ def test_killed_at_random_points_mid_write_the_next_start_is_clean(tmp_path, mon
         assert {k: entries[k] for k in seeded} == seeded
         assert all(len(entries[k]["pad"]) == 50_000 for k in entries if k.startswith("k"))
         if state.exists():
-            kept = _read(state, model)
+            kept = _read(state, n_vocab=10)
             assert kept is not None and kept.tokens in ([0] * 100, [1] * 100)
             assert bytes(kept.data) == bytes([kept.tokens[0]]) * 400_000
     assert completed > 0  # some writes were whole before a kill

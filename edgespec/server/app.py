@@ -41,7 +41,7 @@ from ..request import Request, RequestError
 from . import anthropic_api
 from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, log_answer, refused
 from .llama_api import LlamaServer
-from .metrics import Metrics, ServerLoad
+from .metrics import Metrics, ServerLoad, resident_bytes
 from .openai_api import OpenAIChat
 from .responses_api import Responses
 
@@ -133,8 +133,17 @@ class Worker:
     def load(self) -> ServerLoad:
         """Requests running and waiting, and the target's cache, now (read from any thread)."""
         running, waiting = self.thread.load
-        target = self.engine.target
-        return ServerLoad(running, waiting, target.cells_used, target.n_ctx * target.n_seq, self.thread.idle_faults)
+        target, cache = self.engine.target, self.engine.target.prompt_cache
+        ram, size = (cache.in_ram, cache.size) if cache is not None else (0, 0)
+        return ServerLoad(
+            running,
+            waiting,
+            target.cells_used,
+            target.n_ctx * target.n_seq,
+            self.thread.idle_faults,
+            resident_bytes(),
+            {"ram": ram, "disk": size - ram},
+        )
 
     def _answer(self, job: Job, index: int, request: Request) -> Iterator[Pass]:
         """Answer `index` of the job, a step at a time: its Run, its events, then None; returns the

@@ -5,8 +5,9 @@ over the target alone."""
 
 from __future__ import annotations
 
+import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..stats import Stats
 
@@ -20,6 +21,17 @@ class ServerLoad:
     kv_tokens: int
     n_ctx: int
     idle_faults: int = 0  # idle steps that failed (EngineThread.idle_faults)
+    resident_bytes: int | None = None  # the process's memory in RAM (resident_bytes())
+    prompt_cache_bytes: dict[str, int] = field(default_factory=dict)  # saved prompt states "ram" and "disk"
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory, where the system tells it (/proc on Linux); else None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 FAULTS_HELP = "The server's own failures: requests (a 500 or an error event), idle work (retried)"
@@ -101,5 +113,14 @@ class Metrics:
             {s: accepted.get(s, 0) for s in drafted},
         )
         family("edgespec:faults_total", "counter", FAULTS_HELP, faults, label="where")
+        if load.resident_bytes is not None:  # (Prometheus' client names it so)
+            family("process_resident_memory_bytes", "gauge", "Resident memory size in bytes", load.resident_bytes)
+        family(
+            "edgespec:prompt_cache_bytes",
+            "gauge",
+            "Saved prompt states, in RAM (used lately) and on disk",
+            load.prompt_cache_bytes,
+            label="where",
+        )
         family("edgespec:measured_speedup", "gauge", "The last measured answer's speed over the target alone", speedup)
         return "\n".join(lines) + "\n"
