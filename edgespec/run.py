@@ -263,7 +263,7 @@ class Run:
             clock = RoundClock()
             # the controller picks a drafter and γ (or none); drafts past the context or the budget are wasted
             room = min(target.n_ctx - len(seq), self.limit - len(seq) - 1)
-            plan = controller.plan(seq, room, constraint, first=len(seq) == len(self.prompt))
+            plan = controller.plan(seq, room, constraint)
             clock.mark("draft")
             draft, drafting = yield from _own_time(controller.draft(plan, seq, params, self.rng, constraint))
             clock.mark("draft", own=drafting)  # (other runs' steps may have come between its draft model's passes)

@@ -121,24 +121,6 @@ def test_controller_picks_the_gamma_the_formula_says(alpha, curve):
         assert plan.source == "off"
 
 
-def test_the_first_round_takes_at_most_a_little_more_than_a_plain_step():
-    """The answer's first token comes at its first round's end: on a CPU's costs (a draft step 0.3 of
-    the target's, V(2) 1.46) the first round drafts nothing where the later ones draft with the
-    model; on a GPU's (a pass of a few tokens costs one step, a draft step 0.05) it drafts, shorter."""
-    from edgespec.controller import FIRST_TOKEN_SLACK
-
-    for curve, draft in ((CPU, DRAFT), (GPU, CostCurve({1: 0.05, 2: 0.06}))):
-        controller = adaptive(curve, draft)
-        controller.acceptance_of("model").accepted = 0.97 * 1e6  # evidence overwhelming the prior
-        controller.acceptance_of("model").rejected = 0.03 * 1e6
-        later, first = controller.plan([1, 2, 3], 100), controller.plan([1, 2, 3], 100, first=True)
-        assert later.source == "model" and first.round_s <= (1 + FIRST_TOKEN_SLACK) * curve(1)
-        if curve is CPU:
-            assert first.source == "off"
-        else:
-            assert first.source == "model" and 0 < first.gamma < later.gamma
-
-
 def test_controller_turns_off_when_alpha_is_low_and_comes_back_when_it_rises():
     controller = adaptive()
     assert controller.plan([1, 2, 3], 100).source == "model"  # the prior says a draft model pays on a GPU
