@@ -113,9 +113,8 @@ class Engine:
             return True
         if self.target.prompt_cache is not None and self.target.prompt_cache.spill():
             return True
-        memory = self.memory
-        if memory is not None and memory.dirty and monotonic() - memory.saved_at >= MEMORY_SAVE_S:
-            memory.save_or_say()
+        if self._memory_due() == 0.0:
+            self.memory.save_or_say()
             return True
         if self._idle is None:
             work = self.prompts.keystrokes.next_idle() if self.prompts.keystrokes is not None else None
@@ -145,12 +144,15 @@ class Engine:
     def idle_due(self) -> float | None:
         """Seconds until idle work that waits for time to pass is due (a saved prompt state to
         write to disk, the memory to save), where idle_step() has none now; None: there is none."""
-        due = []
-        if self.target.prompt_cache is not None:
-            due.append(self.target.prompt_cache.spill_due())
-        if self.memory is not None and self.memory.dirty:
-            due.append(max(0.0, self.memory.saved_at + MEMORY_SAVE_S - monotonic()))
+        cache = self.target.prompt_cache
+        due = [cache.spill_due() if cache is not None else None, self._memory_due()]
         return min((d for d in due if d is not None), default=None)
+
+    def _memory_due(self) -> float | None:
+        """Seconds until the memory is saved (MEMORY_SAVE_S after it last was); None: nothing to save."""
+        if self.memory is None or not self.memory.dirty:
+            return None
+        return max(0.0, self.memory.saved_at + MEMORY_SAVE_S - monotonic())
 
     def answers_together(self, count: int) -> bool:
         """Whether `count` answers to one prompt (OpenAI's n, llama-server's n_cmpl) are made side

@@ -140,7 +140,7 @@ class Stats:
     tree_drafted: int = 0  # the nodes of those trees
     n_tokens: int = 0  # tokens generated (prompt excluded)
     prefill_s: float = 0.0
-    first_token_s: float = 0.0  # start -> the first answer token: the prefill and the first round (see plan's first)
+    first_token_s: float = 0.0  # start -> the first answer token: the prefill and the first round
     decode_s: float = 0.0  # end of prefill -> last token
     draft_s: float = 0.0  # of decode_s: making drafts
     verify_s: float = 0.0  # of decode_s: the target's batched forward + accept/resample
