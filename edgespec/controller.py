@@ -60,6 +60,10 @@ RANKS = range(1, MAX_SIBLINGS + 1)  # a sibling's (see SiblingKey)
 SIBLING_PRIOR = 2.0  # of chance: a rank's trust stays near 1 until its siblings' outcomes outweigh this
 SLOW_START = 2  # longest draft before any evidence; +4 per recently accepted token
 HYBRID_MIN_MATCH = 5  # hybrid mode: a copy backed by this many agreeing tokens is confident enough to use
+# an answer's first token comes at its first round's end: that round may take at most this much more than a
+# plain step (an editor's suggestion and a chat's first word wait for it; llama.vscode's first token came in
+# 187 ms with a first round that drafted, 90 ms without, 2-core AMX Xeon)
+FIRST_TOKEN_SLACK = 0.25
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,7 @@ class Plan:
     forced: ForcedText | None = None  # the grammar's forced text this round, drafted or not
     recall_s: float = 0.0  # the memory's lookup while planning (see Stats.recall_s)
     rng_state: dict | None = None  # the Thompson draws' generator after this plan's draw
+    round_s: float = 0.0  # the round's expected seconds (planned by cost: adaptive), its first token's wait
 
     def __post_init__(self) -> None:
         self.source = Source(self.source)  # (as Draft's: given as a string too)
@@ -311,37 +316,47 @@ class Controller:
         sizes = self.costs.pass_sizes(longest + 1)
         return sorted({k - 1 for k in sizes if k > 1} | ({longest} if cut_short else set()))
 
-    def _best(self, source: Source, key: AcceptanceKey, gammas, evidence: int = 0, rng=None) -> Plan:
-        """γ that the posterior mean of α says is best; the plan then competes with the
-        others (and with no draft) at its rate under a posterior draw of α from `rng`
-        (Thompson sampling), so a drafter with little evidence gets tried now and then."""
+    def _best(
+        self, source: Source, key: AcceptanceKey, gammas, evidence: int = 0, rng=None, within: float = np.inf
+    ) -> Plan:
+        """γ that the posterior mean of α says is best, of those whose round takes `within` seconds
+        at most (the first round's); the plan then competes with the others (and with no draft)
+        at its rate under a posterior draw of α from `rng` (Thompson sampling), so a drafter with
+        little evidence gets tried now and then."""
         acceptance, costs = self._acceptance(key), self.costs
+        alpha = acceptance.alpha
         # slow start: a long draft on little evidence costs a lot when it fails at once, so γ
         # may only grow with the tokens this drafter has had accepted lately (or, for a copy,
         # with the tokens its alignment has held for)
         gammas = [g for g in gammas if g <= SLOW_START + 4 * max(acceptance.accepted, evidence)] or [min(gammas)]
-        alpha = acceptance.alpha
+        gammas = [g for g in gammas if costs.expected(source, g, alpha) <= within] or [min(gammas)]
 
         def batch_rate(a: float, g: int) -> float:  # the batch's tokens per second (see the module docstring)
             return (expected_tokens(a, g) + costs.tokens_beside) / costs.expected(source, g, a)
 
         best, gamma = max((batch_rate(alpha, g), g) for g in gammas)
-        expected = expected_tokens(alpha, gamma) / costs.expected(source, gamma, alpha)  # this request's own
-        if rng is None:  # a copy needs no exploring: its evidence grows for free while the target agrees
-            return Plan(best, source, gamma, key=key, expected_rate=expected, alpha=alpha)
-        return Plan(
-            batch_rate(acceptance.sample(rng), gamma), source, gamma, key=key, expected_rate=expected, alpha=alpha
-        )
+        seconds = costs.expected(source, gamma, alpha)
+        expected = expected_tokens(alpha, gamma) / seconds  # this request's own
+        rate = best if rng is None else batch_rate(acceptance.sample(rng), gamma)  # (a copy needs no exploring:
+        # its evidence grows for free while the target agrees)
+        return Plan(rate, source, gamma, key=key, expected_rate=expected, alpha=alpha, round_s=seconds)
 
     def _free_plan(
-        self, draft: Draft, key: AcceptanceKey, evidence: int, cut_short: bool, alternatives: list[Alternative] = ()
+        self,
+        draft: Draft,
+        key: AcceptanceKey,
+        evidence: int,
+        cut_short: bool,
+        alternatives: list[Alternative] = (),
+        within: float = np.inf,
     ) -> Plan:
-        """The plan for a free draft (a copy, forced text): as much of it as is worth verifying;
-        with the alternatives (other places' text, where trees are verified), a tree where its
-        branches pay, planned at the tree's rate."""
+        """The plan for a free draft (a copy, forced text): as much of it as is worth verifying
+        (in `within` seconds, see _best); with the alternatives (other places' text, where trees
+        are verified), a tree where its branches pay, planned at the tree's rate."""
         n = len(draft.tokens)
         if self.adaptive:
-            plan = self._best(draft.source, key, [n] if self.gamma.fixed else self._gammas(n, cut_short), evidence)
+            gammas = [n] if self.gamma.fixed else self._gammas(n, cut_short)
+            plan = self._best(draft.source, key, gammas, evidence, within=within)
         else:  # as told; of two copies (the context's, the prediction's), the one of higher α
             plan = Plan(self._acceptance(key).alpha, draft.source, n, key=key)
         plan.draft = Draft(draft.tokens[: plan.gamma], None, source=draft.source)
@@ -353,21 +368,25 @@ class Controller:
                 seconds -= costs.in_batch(gamma + 1)
                 plan.rate = (expected_tokens(alpha, gamma) + gain + costs.tokens_beside) / seconds
                 plan.expected_rate = (expected_tokens(alpha, gamma) + gain) / seconds
-                plan.draft = tree
+                plan.draft, plan.round_s = tree, seconds
         return plan
 
-    def plan(self, context: list[int], room: int, grammar: Constraint | None = None) -> Plan:
+    def plan(self, context: list[int], room: int, grammar: Constraint | None = None, *, first: bool = False) -> Plan:
         """The round's plan, learning nothing (observe() does): a copy or forced plan carries
         its draft already. Under a constraint (a grammar, or token healing; in its state after
-        `context`), a copy is cut where it is forbidden (the rest would be rejected)."""
+        `context`), a copy is cut where it is forbidden (the rest would be rejected). first: a
+        streamed answer's first round, whose end its first token waits for: planned by cost, it may take
+        at most FIRST_TOKEN_SLACK more than a plain step (on a CPU, a short free draft at most;
+        on a GPU, where a pass of a few tokens costs one, a draft model's too)."""
         if room <= 0 or self.mode is DraftMode.OFF:
             return NO_DRAFT
         fixed = self.gamma.fixed
-        candidates = []
+        candidates, within = [], np.inf  # within: the longest round this one may be (the first's)
         if self.adaptive:
             step = self.costs.plain_step()
+            within = (1 + FIRST_TOKEN_SLACK) * step if first else np.inf
             off_rate = (1 + self.costs.tokens_beside) / step
-            candidates.append(Plan((1 + MIN_GAIN) * off_rate, Source.OFF, 0, expected_rate=1.0 / step))
+            candidates.append(Plan((1 + MIN_GAIN) * off_rate, Source.OFF, 0, expected_rate=1.0 / step, round_s=step))
         longest = min(room, fixed or MAX_COPY_DRAFT)
         branching = self.trees and self.adaptive and grammar is None  # (a tree is planned by its costs)
         copies = []  # (draft, evidence, alternatives): the context's and the prediction's, the memory's
@@ -388,13 +407,13 @@ class Controller:
                 confident_copy = True
                 key = CopyKey.of(draft.source, evidence)
                 cut_short = len(draft.tokens) < MAX_COPY_DRAFT
-                candidates.append(self._free_plan(draft, key, evidence, cut_short, alternatives))
+                candidates.append(self._free_plan(draft, key, evidence, cut_short, alternatives, within))
         forced_text, rng_state = None, None  # forced text is free to make: its α is learnt every round, drafted or not
         if grammar is not None and (forced := self.drafters.get(Source.GRAMMAR)):
             text = forced.draft(context, min(room, fixed or MAX_COPY_DRAFT), grammar=grammar)
             if text.tokens:
                 forced_text = ForcedText(text.tokens, len(context))
-                candidates.append(self._free_plan(text, Source.GRAMMAR, len(text.tokens), True))
+                candidates.append(self._free_plan(text, Source.GRAMMAR, len(text.tokens), True, within=within))
         # hybrid: the model only where the lookup has no confident match
         if Source.MODEL in self.drafters and not (self.mode is DraftMode.HYBRID and confident_copy):
             if not self.adaptive:
@@ -404,8 +423,9 @@ class Controller:
                 gammas = [min(fixed, room)] if fixed else self._gammas(longest, room < MAX_MODEL_GAMMA)
                 rng = np.random.Generator(type(self._rng.bit_generator)())
                 rng.bit_generator.state = self._rng.bit_generator.state
-                candidates.append(self._best(Source.MODEL, self.model_key, gammas, rng=rng))
+                candidates.append(self._best(Source.MODEL, self.model_key, gammas, rng=rng, within=within))
                 rng_state = rng.bit_generator.state
+        candidates = [p for p in candidates if p.round_s <= within]  # (a drafter's shortest, or a tree, may not fit)
         if not candidates:
             return replace(NO_DRAFT, recall_s=recall_s)
         best = max(candidates, key=lambda p: p.rate)
@@ -448,6 +468,12 @@ class Controller:
                 draft_pass = self.costs.draft_pass
                 tree = {"branching": self._branching(plan, self.model_key, lambda k: plan.rate * draft_pass(k))}
         return (yield from drafter.draft_steps(context, plan.gamma, params, rng, stop_below, grammar, **tree))
+
+    def followed(self, context: list[int]) -> None:
+        """The answer went on without a round of the controller's (rows known: Run._known_round):
+        the drafters see its new tokens, `context` being the sequence now."""
+        for drafter in self.drafters.values():
+            drafter.accept(context)
 
     def observe(
         self,

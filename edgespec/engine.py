@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import monotonic, perf_counter
 
 from . import calibration
@@ -13,6 +13,7 @@ from .costs import MachineCosts, Recheck, answers_side_by_side
 from .drafters import Conversation, CopyDrafter, Drafter, GrammarDrafter, MemoryDrafter
 from .errors import EdgespecError
 from .fim import FimPrompt
+from .known_rows import KnownRows
 from .logprobs import TokenLogprob
 from .memory import Memory
 from .model import Model
@@ -81,6 +82,7 @@ class Engine:
         self.costs = MachineCosts(timer)
         self.prompts = Prompts(target)  # requests made ready to run, an editor's keystrokes kept
         self.sequences = Sequences(self.models)  # one per request answered at once (Model's n_seq)
+        self.known_rows = KnownRows(target.n_vocab)  # the rows of the latest answers, for the next to the same prompt
         self._idle: IdleRun | None = None  # the idle work under way
         self.memory = memory
 
@@ -174,8 +176,8 @@ class Engine:
         """Generate the answer to `request` token by token (see Request), or to a prompt with
         Request.of's keywords (temperature=0, max_tokens=200, ...). The last event has token
         None, the remaining text and the final stats. A bad request raises EdgespecError here,
-        before the first event."""
-        return self.events(self.start(request, **options))
+        before the first event. Its first token is planned to come soon (Request.streamed)."""
+        return self.events(self.start(replace(_request(request, options), streamed=True)))
 
     def start(self, request: Request | Prompt, *, cancelled: threading.Event | None = None, **options) -> Run:
         """The request's Run, ready to give its events (the prompt rendered and checked, the grammar
@@ -204,7 +206,7 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> Run:
         """start()'s Run; layout: a fill-in-the-middle prompt as given (idle work reading a head)."""
-        request = request.settled(self.defaults)
+        request = self.prompts.read_markup(request.settled(self.defaults))
         check_mode(request.draft_mode, has_model=self.drafter is not None)
         prepared = self.prompts.prepare(request, layout)
         copy = CopyDrafter(vocab=self.target, prediction=prepared.prediction, conversation=self.conversation)
@@ -225,6 +227,7 @@ class Engine:
             healed=prepared.healed,
             layout=prepared.layout,
             prefill_chunk=prefill_chunk,
+            known=self.known_rows if request.draft_mode is not DraftMode.OFF else None,  # (off: the target alone)
         )
 
     def generate(self, request: Request | Prompt, **options) -> Generation:

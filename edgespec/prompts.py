@@ -5,7 +5,7 @@ keystrokes (keystrokes.py) from its first infill on."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .chat import PromptTooLong, render
 from .errors import EdgespecError, PromptExceedsContext
@@ -66,11 +66,33 @@ class Prompts:
         prediction_tokens = target.text_tokens(prediction) if prediction else []
         return Prepared(tokens, constraint, removed, layout, prediction_tokens)
 
+    def read_markup(self, request: Request) -> Request:
+        """A raw prompt written in the target's FIM markup, [PRE]prefix[SUF]suffix[MID]begun
+        (Continue's autocomplete on /completion), as the Infill it stands for: laid out as one
+        (fim.py: the cursor line after [MID], healed, the head kept cached while the user types);
+        other requests as they are. Repository-level markup (repository or file tokens), a prompt
+        to be scored, a grammar's: left raw, as written."""
+        fim, target = self.target.fim, self.target
+        if not (request.raw and isinstance(request.prompt, str)) or fim.missing():
+            return request
+        if request.prompt_logprobs or request.grammar is not None or request.json_schema is not None:
+            return request
+        text = request.prompt
+        pre, suf, mid = (target.token_text(t).decode("utf-8", "replace") for t in (fim.prefix, fim.suffix, fim.middle))
+        others = [target.token_text(t).decode("utf-8", "replace") for t in (fim.repo, fim.file_sep) if t is not None]
+        if not text.startswith(pre) or any(text.count(mark) != 1 for mark in (pre, suf, mid)):
+            return request
+        if any(other in text for other in others) or text.index(suf) > text.index(mid):
+            return request
+        prefix, rest = text[len(pre) :].split(suf)
+        suffix, begun = rest.split(mid)
+        return replace(request, prompt=Infill.at_cursor(prefix + begun, suffix), raw=False)
+
     def tokens(self, request: Request, fit: bool = True) -> list[int]:
         """The request's prompt as the target reads it: rendered with the chat template (and
         the tools), tokenized, and checked against the context (fit=False: counted whatever
         its length, up to what the tokenizer is given at all)."""
-        target = self.target
+        request, target = self.read_markup(request), self.target
         if isinstance(request.prompt, Infill):
             return self._fitting(self.layout(request.prompt).tokens, fit)
         # a text this long cannot fit in the context whatever its tokens: refused before

@@ -92,7 +92,15 @@ class Request:
     memory: whether the engine's memory (memory.py) drafts for this request and keeps its prompt
     and answer when it ends; False: neither (the request leaves no trace there).
     sets_temperature: False where a client left the temperature unset (an API body without
-    one), so that a server's default temperature (Defaults.temperature) is the one used."""
+    one), so that a server's default temperature (Defaults.temperature) is the one used.
+    again: the prompt was answered just before (a request's answers after the first: OpenAI's n,
+    llama-server's n_cmpl; a regenerated answer): where this answer goes the way the last one
+    went, it is drawn from the rows that answer's passes computed, with no pass of its own
+    (known_rows.py); the law is the same. Answers with a draft mode of off are not kept.
+    streamed: the answer is shown as it comes (Engine.stream, a streamed API response), so
+    its first token's wait counts: the first round is planned to end within about a plain
+    step (Controller.plan), where a whole answer (generate(), an editor's suggestion) waits
+    only for its last token and every round is planned for speed. The answer is the same."""
 
     prompt: Prompt
     sampling: SamplingParams = DEFAULT_SAMPLING
@@ -115,6 +123,8 @@ class Request:
     trees: bool = True
     memory: bool = True
     sets_temperature: bool = True
+    streamed: bool = False
+    again: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: the checked values are set once, here
@@ -187,6 +197,7 @@ class Request:
         heal: bool | None = None,
         trees: bool = True,
         memory: bool = True,
+        again: bool = False,
     ) -> Request:
         """A request from keywords (what Engine.stream and generate take besides a Request):
         the sampling settings one by one, and speculative=False for draft_mode "off"."""
@@ -209,6 +220,7 @@ class Request:
             heal=heal,
             trees=trees,
             memory=memory,
+            again=again,
         )
 
     @property
@@ -237,7 +249,9 @@ class Request:
         if deadline is not None:
             deadline = max(0.0, deadline - elapsed_s)
         # (the prompt is scored once)
-        return replace(self, sampling=sampling, prediction=prediction, line_deadline_s=deadline, prompt_logprobs=False)
+        return replace(
+            self, sampling=sampling, prediction=prediction, line_deadline_s=deadline, prompt_logprobs=False, again=True
+        )
 
     def settled(self, defaults: Defaults) -> Request:
         """This request with the engine's defaults (and a server's) for what it leaves unset."""

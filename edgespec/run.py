@@ -17,6 +17,7 @@ import numpy as np
 from .controller import Controller
 from .costs import Batch
 from .fim import FimPrompt
+from .known_rows import Ahead, KnownRows
 from .logprobs import TokenLogprob, token_logprobs
 from .model import Model
 from .modes import DraftMode
@@ -72,6 +73,7 @@ class Run:
         healed: bytes = b"",
         layout: FimPrompt | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        known: KnownRows | None = None,
     ) -> None:
         """request: with the engine's defaults settled (Request.settled); prompt: its tokens;
         constraint: what the answer is held to (its grammar, or its token healing); sequences: the
@@ -79,9 +81,10 @@ class Run:
         bytes taken back from the prompt, which the answer begins with and does not return (see
         healing.py); layout: a fill-in-the-middle prompt's parts; prefill_chunk: prompt tokens
         a prefill pass reads; cancelled: set from another thread (a client gone) to stop the
-        run early."""
+        run early; known: the rows of earlier answers, which it adds its own to (and, asked again:
+        Request.again, is drawn from where it goes their way)."""
         self.target, self.request, self.controller, self.constraint = target, request, controller, constraint
-        self.cancelled, self.layout, self.prefill_chunk = cancelled, layout, prefill_chunk
+        self.cancelled, self.layout, self.prefill_chunk, self.known = cancelled, layout, prefill_chunk, known
         self.sequences, self.sequence = sequences, None  # which one it holds: from its first pass on
         self.params: SamplingParams = request.sampling
         self.prompt = prompt
@@ -260,10 +263,15 @@ class Run:
             if constraint is not None and constraint.finished():  # only an end may follow: the target would pick one
                 yield [NewToken(target.eos, False, None)]
                 return
-            clock = RoundClock()
-            # the controller picks a drafter and γ (or none); drafts past the context or the budget are wasted
+            # drafts past the context or the budget are wasted
             room = min(target.n_ctx - len(seq), self.limit - len(seq) - 1)
-            plan = controller.plan(seq, room, constraint)
+            if self.request.again and self.known is not None and (known := self.known.ahead(seq, room)) is not None:
+                yield self._known_round(known, constraint)
+                continue
+            clock = RoundClock()
+            # the controller picks a drafter and γ (or none)
+            # a streamed answer's first token waits for the first round's end (see Controller.plan)
+            plan = controller.plan(seq, room, constraint, first=self.request.streamed and len(seq) == len(self.prompt))
             clock.mark("draft")
             draft, drafting = yield from _own_time(controller.draft(plan, seq, params, self.rng, constraint))
             clock.mark("draft", own=drafting)  # (other runs' steps may have come between its draft model's passes)
@@ -293,7 +301,10 @@ class Run:
             new = [draft.tokens[i] for i in kept] + [next_token]
             clock.mark("verify")
             # (read before the cut)
-            logprobs = self._logprobs(logits if draft.parents is None else logits[[0, *(i + 1 for i in kept)]], new)
+            drawn_from = logits if draft.parents is None else logits[[0, *(i + 1 for i in kept)]]
+            logprobs = self._logprobs(drawn_from, new)
+            if self.known is not None:
+                self.known.record(len(self.prompt), seq, new, drawn_from)
             clock.mark(None)
 
             # drop the rejected drafts from the target's cache (the drafter trims its own); a recurrent state may
@@ -308,6 +319,25 @@ class Run:
             yield [
                 NewToken(token, i < n, logprob) for i, (token, logprob) in enumerate(zip(new, logprobs, strict=True))
             ]
+
+    def _known_round(self, known: Ahead, constraint: Constraint | None) -> list[NewToken]:
+        """A round on rows an earlier answer to this prompt computed (known_rows.py): the path it took
+        is verified as a draft (point masses) whose target rows are in hand, no pass; the target's
+        cache reads the tokens taken at the next pass."""
+        seq, params = self.seq, self.params
+        rows = TargetRows(known.rows, params, self.target, constraint, known.tokens)
+        if params.greedy:
+            kept, next_token = verify_tree_greedy(known.tokens, None, rows.argmax)
+        else:
+            uniforms = position_uniforms(self.seed, len(seq), len(known.tokens) + 1, 2)
+            kept, next_token = verify_tree(known.tokens, None, None, rows.p, uniforms)
+        rows.advance(len(kept), next_token)
+        new = known.tokens[: len(kept)] + [next_token]
+        logprobs = self._logprobs(known.rows, new)
+        seq += new
+        self.controller.followed(seq)
+        self.stats.known_tokens += len(new)
+        return [NewToken(token, False, logprob) for token, logprob in zip(new, logprobs, strict=True)]
 
     def _logprobs(self, logits: np.ndarray, new: list[int]) -> list[TokenLogprob | None]:
         """The round's new tokens scored by the target's rows that drew them (row i: the i-th), if asked for."""

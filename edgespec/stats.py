@@ -45,6 +45,7 @@ SUMMED = (
     "rounds_s",
     "plain_s",
     "recall_s",
+    "known_tokens",
 )
 # what combine() takes from the first generation: the machine's settings, not counts
 SETTINGS = ("flash_attn", "repack", "rollback", "checkpoint_steps", "restore_steps", "calibration_stale")
@@ -138,6 +139,7 @@ class Stats:
     accepted: int = 0
     tree_rounds: int = 0  # rounds whose drafts were a tree (their drafted tokens count every node)
     tree_drafted: int = 0  # the nodes of those trees
+    known_tokens: int = 0  # drawn from rows an earlier answer to the prompt computed, no pass (known_rows.py)
     n_tokens: int = 0  # tokens generated (prompt excluded)
     prefill_s: float = 0.0
     first_token_s: float = 0.0  # start -> the first answer token: the prefill and the first round
@@ -319,6 +321,8 @@ class Stats:
         if self.repeated_tokens >= LOOPING:
             line += f", the last {self.repeated_tokens} tokens repeat a {self.repeat_period}-token span"
         rollback = f", rollback {self.rollback_s:.2f}s" if self.rollback != "truncate" else ""
+        if self.known_tokens:
+            line += f", {self.known_tokens} tokens drawn from an earlier answer's rows"
         if self.recall_s:
             rollback += f", memory lookups {self.recall_s * 1e3:.1f}ms"
         split = f"draft {self.draft_s:.2f}s, verify {self.verify_s:.2f}s{rollback}, other {self.other_s:.2f}s"

@@ -14,7 +14,7 @@ from replay import controller_on
 
 from edgespec import Draft, Drafter, Engine, Model, ModelDrafter, SamplingParams, calibration, cost_curve, store
 from edgespec.calibration import CostCurve
-from edgespec.controller import MIN_GAIN, Controller, Plan, expected_tokens
+from edgespec.controller import FIRST_TOKEN_SLACK, MIN_GAIN, Controller, Plan, expected_tokens
 from edgespec.cost_curve import BatchSpread
 from edgespec.costs import Batch, MicroBatch, Recheck, RoundCosts, answers_side_by_side, ubatches
 from edgespec.drafters import CopyDrafter
@@ -709,3 +709,20 @@ def test_answers_to_one_prompt_go_side_by_side_only_where_a_step_of_them_all_is_
     assert all(answers_side_by_side(GPU, count) for count in (2, 3, 4))
     assert not any(answers_side_by_side(QWEN_EPYC, count) for count in (2, 3, 4))
     assert [answers_side_by_side(CPU, count) for count in (2, 3, 4)] == [False, False, True]
+
+
+@pytest.mark.parametrize("curve", [CPU, GPU], ids=["cpu", "gpu"])
+def test_a_streamed_answers_first_round_ends_within_about_a_plain_step(curve):
+    """Its first token waits for the first round's end: on a CPU, where verifying a copy costs more
+    than a step, that round drafts nothing and the next copies; on a GPU it copies as far as a
+    pass still costs about one step."""
+    repeated = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21] * 3 + [10, 11]
+    controller = adaptive(curve)
+    controller.drafters["copy"].accept(repeated)
+    later, first = controller.plan(repeated, 100), controller.plan(repeated, 100, first=True)
+    assert later.source == "copy" and later.gamma > 2
+    assert first.round_s <= (1 + FIRST_TOKEN_SLACK) * curve(1)
+    if curve is CPU:
+        assert first.source == "off"
+    else:
+        assert first.source == "copy" and first.gamma > 2

@@ -292,6 +292,32 @@ def test_continue_streams_content_and_aborts_as_the_user_types_on(server):
     logged(server, since, r"answered: .* finish cancelled")  # the aborted answer ended there
 
 
+def test_continues_fim_markup_is_answered_as_the_infill_it_stands_for(server):
+    """Continue writes the FIM prompt itself ([PRE]prefix[SUF]suffix[MID]): /completion lays it
+    out as /infill does (the cursor line after [MID], healed), so its answer is /infill's, and
+    the next keystroke reads its own characters (not the cursor line and the suffix again), the
+    suggestion's rest drafted."""
+    body = recorded("continue-completion.json")["body"] | {"stream": False, "n_predict": 12, "temperature": 0}
+    prefix, rest = body["prompt"].removeprefix("<|fim_prefix|>").split("<|fim_suffix|>")
+    suffix = rest.removesuffix("<|fim_middle|>")
+    line = prefix.rfind("\n") + 1
+    infill = {"input_prefix": prefix[:line], "prompt": prefix[line:], "input_suffix": suffix}
+    answer = post(server, "/completion", body).json()
+    assert answer["content"] == post(server, "/infill", body | infill).json()["content"], answer
+    typed = f"<|fim_prefix|>{prefix}{answer['content'][0]}<|fim_suffix|>{suffix}<|fim_middle|>"  # as suggested
+    keystroke = post(server, "/completion", body | {"prompt": typed}).json()
+    assert keystroke["timings"]["prompt_n"] <= 4, keystroke["timings"]
+    assert keystroke["speculative"]["accepted_prediction_tokens"] > 0  # the suggestion's rest drafted
+    repo = "<|repo_name|>x\n<|file_sep|>a.py\n" + body["prompt"]  # repository-level markup: as written
+    assert post(server, "/completion", body | {"prompt": repo}).json()["speculative"]["healed_bytes"] == 0
+
+
+def test_a_prompt_in_fim_markup_is_read_as_its_infill(engine):
+    marked = "<|fim_prefix|>def area(r):\n    ret<|fim_suffix|>\n\nprint(area(2))\n<|fim_middle|>"
+    infill = Infill.at_cursor("def area(r):\n    ret", "\n\nprint(area(2))\n")
+    assert engine.prompt_tokens(marked, raw=True) == engine.prompt_tokens(infill)
+
+
 def test_tabby_streams_choices_of_a_suffix_completion(server):
     body = recorded("tabby-completions.json")["body"]
     chunks = list(server.client().completions.create(**body))
@@ -322,7 +348,7 @@ def test_n_cmpl_answers_are_the_single_answers_of_the_following_seeds(server):
 
 
 def test_a_client_that_hangs_up_stops_its_answer(server):
-    body = {"prompt": "<|fim_prefix|>" + "import os\n" * 300 + "<|fim_suffix|>\n<|fim_middle|>", "n_predict": -1}
+    body = {"prompt": "import os\n" * 300, "n_predict": -1}  # (an answer that never ends)
     since = len(server.lines)
     with pytest.raises(httpx.ReadTimeout):
         post(server, "/completion", body, timeout=1.0)

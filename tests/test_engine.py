@@ -8,11 +8,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY_TEMPERATURE, GpuCosts, tiny_pair
+from conftest import TINY_TEMPERATURE, FixedCurve, GpuCosts, tiny_pair
 from reference import assert_first_token_law, assert_greedy_as_llama
 
 import edgespec
-from edgespec import Draft, Drafter, DraftMode, EdgespecError, Engine, Model, ModelDrafter, Request, SamplingParams
+from edgespec import (
+    Draft,
+    Drafter,
+    DraftMode,
+    EdgespecError,
+    Engine,
+    Model,
+    ModelDrafter,
+    Request,
+    SamplingParams,
+    calibration,
+)
+from edgespec.calibration import CostCurve
 from edgespec.resolve import resolve_model
 
 PROMPTS = [
@@ -142,6 +154,32 @@ def test_provenance_and_stats(self_engine):
     assert 1 <= s.tokens_per_round <= s.gamma + 1
     assert s.tokens_per_s > 0 and s.decode_s >= s.draft_s + s.verify_s > 0
     assert s.prefill_s < s.first_token_s < s.prefill_s + s.decode_s  # the first round's end, before the last's
+
+
+class CpuCosts(GpuCosts):
+    """Costs as on a CPU: a pass costs 0.4 of a step more for each token past the first."""
+
+    def curve(self, model: Model, sizes=calibration.TARGET_SIZES) -> CostCurve:
+        step = 0.01 if sizes == calibration.TARGET_SIZES else 0.001
+        return self._curves.setdefault((model, sizes), FixedCurve({k: step * (0.6 + 0.4 * k) for k in sizes}))
+
+
+def test_a_streamed_answer_gets_its_first_token_from_a_plain_step(self_engine, monkeypatch):
+    """Where verifying a copy costs more than a step (a CPU's costs), a streamed answer's first round
+    drafts nothing, so that its first token comes a step after the prompt; the rounds after it copy,
+    as a whole answer's first round does, and the answer is the same."""
+    monkeypatch.setattr(self_engine, "costs", CpuCosts())
+    counting = ", ".join(str(n % 10) for n in range(40)) + ","
+    options = dict(raw=True, temperature=0, max_tokens=24, draft_mode="auto")
+    events = self_engine.stream(counting, **options)
+    first = next(events)
+    assert first.source == "target" and first.stats.rounds == 1 and first.stats.drafted == 0
+    streamed = [first.token] + [event.token for event in events if not event.done]
+    assert first.stats.drafted_by_source.get("copy", 0) > 0  # (the stats object goes on to the end)
+    whole = self_engine.start(counting, **options)
+    first_of_whole = next(self_engine.events(whole))
+    assert first_of_whole.stats.drafted_by_source.get("copy", 0) > 0  # its first round copied
+    assert self_engine.generate(counting, **options).tokens == streamed
 
 
 def test_max_tokens_and_stop_strings(self_engine):

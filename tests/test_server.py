@@ -98,6 +98,14 @@ def test_a_servers_defaults_fill_only_what_a_request_leaves_unset():
     assert request_of({"prompt": "x"}, infill=False).settled(defaults).sampling.temperature == 0.0
 
 
+def test_a_streamed_response_plans_its_first_token_and_a_whole_one_does_not():
+    """What a client shows as it comes waits on its first token (Request.streamed); a whole
+    answer, an editor's suggestion among them, only on its last."""
+    body = {"prompt": "x", "stream": True}
+    assert Job(request_of(body, infill=False), stream=True).request.streamed
+    assert not Job(request_of(body, infill=False), stream=False).request.streamed
+
+
 def test_chat_equals_the_library_answer(server, engine):
     reply = server.client().chat.completions.create(model="smollm2", messages=HELLO, temperature=0, max_tokens=24)
     direct = engine.chat(HELLO, temperature=0, max_tokens=24)

@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.responses import JSONResponse
 
@@ -63,6 +63,10 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     events: list[asyncio.Queue] = field(default_factory=list)  # one per answer
+
+    def __post_init__(self) -> None:
+        if self.stream:  # its first token is shown as it comes: planned to come soon (Request.streamed)
+            self.request = replace(self.request, streamed=True)
 
     def send(self, item, index: int = 0) -> None:
         """From the worker thread to the request's handler: an event of answer `index`."""
