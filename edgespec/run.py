@@ -111,6 +111,7 @@ class Run:
         self.stats.healed_bytes = len(healed)
         self.text = TextStream(request.stops, request.min_indent, skip=healed)
         self.prompt_logprobs: list[TokenLogprob] = []  # once read, where Request.prompt_logprobs asks for them
+        self.shown = False  # whether the answer has shown any text yet
 
     def steps(self) -> Iterator[Event | Pass]:
         """Prefill, then the answer's tokens as events; the last has token None, the remaining
@@ -222,7 +223,9 @@ class Run:
                         stats.first_token_s = stats.prefill_s + stats.decode_s
                     piece = target.piece(token)
                     source = "draft" if new.from_draft else "target"
-                    yield Event(self.text.push(piece), token, source, stats, new.logprob)
+                    text = self.text.push(piece)
+                    self.shown = self.shown or bool(text)
+                    yield Event(text, token, source, stats, new.logprob)
                     stats.finish_reason = self._stop_after(piece)
                     if stats.finish_reason:
                         break
@@ -270,8 +273,9 @@ class Run:
                 continue
             clock = RoundClock()
             # the controller picks a drafter and γ (or none)
-            # a streamed answer's first token waits for the first round's end (see Controller.plan)
-            plan = controller.plan(seq, room, constraint, first=self.request.streamed and len(seq) == len(self.prompt))
+            # a streamed answer's first text waits for its round's end (see Controller.plan); a healed
+            # prompt's answer shows none until it has written the healed text again
+            plan = controller.plan(seq, room, constraint, first=self.request.streamed and not self.shown)
             clock.mark("draft")
             draft, drafting = yield from _own_time(controller.draft(plan, seq, params, self.rng, constraint))
             clock.mark("draft", own=drafting)  # (other runs' steps may have come between its draft model's passes)

@@ -180,6 +180,14 @@ def test_a_streamed_answer_gets_its_first_token_from_a_plain_step(self_engine, m
     first_of_whole = next(self_engine.events(whole))
     assert first_of_whole.stats.drafted_by_source.get("copy", 0) > 0  # its first round copied
     assert self_engine.generate(counting, **options).tokens == streamed
+    # a healed prompt's answer shows nothing until it has written the healed text again: its first
+    # text (whichever round brings it) comes from a round planned to be quick too
+    events = self_engine.stream(
+        "The quick brown fox jumps over the lazy dog. " * 6 + "The quick brown", heal=True, **options
+    )
+    shown = next(event for event in events if event.text)
+    assert shown.stats.healed_bytes > 0 and shown.stats.drafted == 0, shown.stats.as_dict()
+    events.close()
 
 
 def test_max_tokens_and_stop_strings(self_engine):
