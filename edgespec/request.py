@@ -235,9 +235,10 @@ class Request:
         """The request of answer `index` of several to this prompt (OpenAI's n, llama-server's
         n_cmpl), `elapsed_s` after the first began: a seeded request's seed + index, and (where the
         request gives no prediction) the answer before as its predicted output, where they are made
-        one after another (previous; "" side by side, see Engine.answers_together). Answers to one
-        prompt are much alike, so the next is drafted from the last where they agree; each is still
-        drawn from the target's law (the same answer as a request of that seed alone). The answers
+        one after another (previous; "" side by side, see Engine.answers_together), and asked again
+        (`again`: drawn from the rows of the answer before where it goes the same way). Answers to
+        one prompt are much alike, so the next is drafted from the last where they agree; each is
+        still drawn from the target's law (the same answer as a request of that seed alone). The answers
         share line_deadline_s, as llama-server's slots, which answer side by side, do."""
         if index == 0:
             return self
