@@ -29,27 +29,29 @@ class Ahead:
     rows: np.ndarray
 
 
-@dataclass
+@dataclass(eq=False)  # each path is itself
 class KnownPath:
     """An answer's first tokens after its prompt: rows[i] is the target's row after
-    tokens[: start + i], and tokens[start + i] was drawn from it."""
+    tokens[: start + i], and tokens[start + i] was drawn from it (rows[:filled] hold them)."""
 
     tokens: list[int]
     start: int
-    rows: list[np.ndarray]
+    rows: np.ndarray  # (max rows, n_vocab) float32, written once, read as views
+    filled: int = 0
 
     def ahead(self, seq: list[int], room: int) -> Ahead | None:
         i = len(seq) - self.start
-        if not 0 <= i < len(self.rows) or seq != self.tokens[: len(seq)]:
+        if not 0 <= i < self.filled or seq != self.tokens[: len(seq)]:
             return None
-        tokens = self.tokens[len(seq) : self.start + len(self.rows) - 1][: max(0, room)]
-        return Ahead(tokens, np.stack(self.rows[i : i + len(tokens) + 1]))
+        tokens = self.tokens[len(seq) : self.start + self.filled - 1][: max(0, room)]
+        return Ahead(tokens, self.rows[i : i + len(tokens) + 1])
 
 
 class KnownRows:
     """The kept paths of one target (its rows depend on nothing but the tokens before them)."""
 
     def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
         self.max_rows = max(1, MAX_BYTES // (MAX_PROMPTS * n_vocab * np.dtype(np.float32).itemsize))
         self.paths: list[KnownPath] = []  # the latest last
 
@@ -60,13 +62,16 @@ class KnownRows:
     def record(self, start: int, seq: list[int], new: list[int], rows: np.ndarray) -> None:
         """A round after `seq` (a prompt of `start` tokens and its answer so far) drew `new`, each
         from its row in `rows`: an answer's first round begins its prompt's path (the one before
-        is dropped); a later one extends the path it is on, as far as max_rows."""
-        if len(seq) == start:
-            self.paths = [p for p in self.paths if p.tokens[:start] != seq][1 - MAX_PROMPTS :]
-            self.paths.append(KnownPath(list(seq), start, []))
-        path = next((p for p in self.paths if p.start == start and len(p.tokens) == len(seq)), None)
-        if path is None or path.tokens != seq:  # (an answer that left the path: the path stays)
+        is dropped, its rows reused); a later one extends the path it is on, as far as max_rows."""
+        if len(seq) == start:  # this prompt's last path, or else the oldest where all are taken, makes room
+            old = [p for p in self.paths if p.tokens[:start] == seq] or self.paths[: len(self.paths) + 1 - MAX_PROMPTS]
+            self.paths = [p for p in self.paths if all(p is not o for o in old)]
+            buffer = old[0].rows if old else np.empty((self.max_rows, self.n_vocab), np.float32)
+            self.paths.append(KnownPath(list(seq), start, buffer))
+        on = (p for p in self.paths if p.start == start and len(p.tokens) == len(seq) and p.tokens == seq)
+        if (path := next(on, None)) is None:  # (an answer that left its path: the path stays)
             return
-        room = self.max_rows - len(path.rows)
-        path.tokens += new[:room]
-        path.rows += [np.array(row, dtype=np.float32) for row in rows[: min(len(new), room)]]
+        taken = min(len(new), self.max_rows - path.filled)
+        path.rows[path.filled : path.filled + taken] = rows[:taken]
+        path.tokens += new[:taken]
+        path.filled += taken

@@ -16,11 +16,12 @@ import numpy as np
 
 from .controller import Controller
 from .costs import Batch
+from .drafters import Draft
 from .fim import FimPrompt
 from .known_rows import Ahead, KnownRows
 from .logprobs import TokenLogprob, token_logprobs
 from .model import Model
-from .modes import DraftMode
+from .modes import DraftMode, Source
 from .passes import ContextFull, Pass
 from .request import Request
 from .sampling import Constraint, Law, SamplingParams, law, position_uniforms, verify_tree, verify_tree_greedy
@@ -294,14 +295,8 @@ class Run:
             target_pass = yield from self._pass(tokens, len(draft.tokens) + 1, draft.parents)
             clock.mark("verify", own=target_pass.seconds)  # its decode's time (other runs' steps between are theirs)
             logits = target_pass.logits
-            rows = TargetRows(logits, params, target, constraint, draft.tokens)
-            if params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
-                kept, next_token = verify_tree_greedy(draft.tokens, draft.parents, rows.argmax)
-            else:  # accept x_i w.p. min(1, p_i(x)/q_i(x)); else resample norm(max(p_i - q_i, 0)); bonus from p_γ
-                uniforms = position_uniforms(self.seed, len(seq), draft.depth + 1, 1 + draft.width)
-                kept, next_token = verify_tree(draft.tokens, draft.parents, draft.q, rows.p, uniforms)
+            kept, next_token = self._accept(draft, logits, constraint)
             n = len(kept)
-            rows.advance(n, next_token)
             new = [draft.tokens[i] for i in kept] + [next_token]
             clock.mark("verify")
             # (read before the cut)
@@ -324,18 +319,24 @@ class Run:
                 NewToken(token, i < n, logprob) for i, (token, logprob) in enumerate(zip(new, logprobs, strict=True))
             ]
 
+    def _accept(self, draft: Draft, logits: np.ndarray, constraint: Constraint | None) -> tuple[list[int], int]:
+        """The draft's nodes the target keeps, by its rows `logits` after the sequence (row 0) and
+        after each node, and the token after them; the constraint advanced through both."""
+        rows = TargetRows(logits, self.params, self.target, constraint, draft.tokens)
+        if self.params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
+            kept, next_token = verify_tree_greedy(draft.tokens, draft.parents, rows.argmax)
+        else:  # accept x_i w.p. min(1, p_i(x)/q_i(x)); else resample norm(max(p_i - q_i, 0)); bonus from p_γ
+            uniforms = position_uniforms(self.seed, len(self.seq), draft.depth + 1, 1 + draft.width)
+            kept, next_token = verify_tree(draft.tokens, draft.parents, draft.q, rows.p, uniforms)
+        rows.advance(len(kept), next_token)
+        return kept, next_token
+
     def _known_round(self, known: Ahead, constraint: Constraint | None) -> list[NewToken]:
         """A round on rows an earlier answer to this prompt computed (known_rows.py): the path it took
         is verified as a draft (point masses) whose target rows are in hand, no pass; the target's
         cache reads the tokens taken at the next pass."""
-        seq, params = self.seq, self.params
-        rows = TargetRows(known.rows, params, self.target, constraint, known.tokens)
-        if params.greedy:
-            kept, next_token = verify_tree_greedy(known.tokens, None, rows.argmax)
-        else:
-            uniforms = position_uniforms(self.seed, len(seq), len(known.tokens) + 1, 2)
-            kept, next_token = verify_tree(known.tokens, None, None, rows.p, uniforms)
-        rows.advance(len(kept), next_token)
+        seq = self.seq
+        kept, next_token = self._accept(Draft(known.tokens, None, source=Source.COPY), known.rows, constraint)
         new = known.tokens[: len(kept)] + [next_token]
         logprobs = self._logprobs(known.rows, new)
         seq += new
