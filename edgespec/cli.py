@@ -139,6 +139,7 @@ def _load(args: argparse.Namespace):
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
         cache_ram=getattr(args, "cache_ram", DEFAULT_CACHE_RAM_MIB),
+        cache_reuse=getattr(args, "cache_reuse", 0),
         offline=args.offline,
         check_template=args.command in ("generate", "bench") and not getattr(args, "raw", False),
         parallel=getattr(args, "parallel", 1),
@@ -494,6 +495,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MIB",
         help=f"RAM for the KV caches of earlier prompts, so alternating conversations each pay only for their"
         f" new part (default {DEFAULT_CACHE_RAM_MIB}; 0 = only the last one)",
+    )
+    v.add_argument(
+        "--cache-reuse",
+        type=int,
+        default=0,
+        metavar="N",
+        help="as llama-server's: a prompt's cached runs of N tokens or more after what changed are shifted into"
+        " place, not read again (llama.vim's ring of snippets after it drops one: 256 as llama.vim's setup);"
+        " such answers are not exactly the model's for the prompt sent (default 0: none)",
     )
     v.add_argument(
         "--metrics",

@@ -267,27 +267,33 @@ class Controller:
         self.model_key = drafters.model.source if drafters.model is not None else Source.MODEL
         if self.mode is DraftMode.AUTO and Source.MODEL in self.drafters and not self._model_can_pay(MODEL_GATE_ALPHA):
             del self.drafters[Source.MODEL]  # it would lose here whatever it drafts: not run, not prefilled
+        self.model_prefill: int | None = None  # the draft model's prefill, put off to its first draft: its chunk
         self.acceptance: dict[AcceptanceKey, Acceptance] = {}
         self.siblings: dict[SiblingKey, SiblingTrust] = {}  # a tree's siblings, per drafter and rank
         self.predicted = Prediction()
         self._rng = np.random.default_rng(seed)  # the Thompson draws
 
     def begin(
-        self, prompt: list[int], room: int | None = None, chunk: int | None = None
+        self, prompt: list[int], room: int | None = None, chunk: int | None = None, *, streamed: bool = False
     ) -> Generator[Pass, None, None]:
         """Get the drafters ready to draft after `prompt`, the draft model's passes handed out
         (`chunk` tokens at most each; model.decoded_alone decodes them as they come). room: the
         answer's tokens at most; in auto mode, a draft model whose prefill (the tokens its cache
         lacks) would cost more than it can save over that many tokens is left out of the request:
         a 20k-token agent prompt is minutes of a CPU's time for a draft model, and a short answer
-        never earns them back."""
+        never earns them back. streamed: a streamed answer's first text waits for no draft
+        model's prefill (where rounds are planned: see plan()); it is read before the model's
+        first draft instead."""
         model = self.drafters.get(Source.MODEL)
         if self.mode is DraftMode.AUTO and model is not None and room is not None:
             held = model.model.cache.shares(prompt) if model.model is not None else 0
             missing = len(prompt) - 1 - held
             if missing * self.costs.draft_prefill_per_token() > room * self._model_saving(MODEL_GATE_ALPHA):
                 del self.drafters[Source.MODEL]
-        for drafter in self.drafters.values():
+        for source, drafter in self.drafters.items():
+            if source is Source.MODEL and drafter.model is not None and streamed and self.adaptive:
+                self.model_prefill = chunk or len(prompt)
+                continue
             yield from drafter.begin_steps(prompt, chunk)
 
     def _model_per_token(self, alpha: float) -> float:
@@ -415,7 +421,9 @@ class Controller:
                 forced_text = ForcedText(text.tokens, len(context))
                 candidates.append(self._free_plan(text, Source.GRAMMAR, len(text.tokens), True, within=within))
         # hybrid: the model only where the lookup has no confident match
-        if Source.MODEL in self.drafters and not (self.mode is DraftMode.HYBRID and confident_copy):
+        # a first round does not wait for the draft model's prefill (begin: streamed)
+        behind = first and self.model_prefill is not None
+        if Source.MODEL in self.drafters and not (self.mode is DraftMode.HYBRID and confident_copy) and not behind:
             if not self.adaptive:
                 candidates.append(Plan(1.0, Source.MODEL, min(fixed, room), key=self.model_key))
             else:  # the draw comes from a copy of the generator; observe() moves the real one on
@@ -438,6 +446,13 @@ class Controller:
         verify = self.costs.in_batch
         trust = [self.siblings.get(SiblingKey(source, rank), SiblingTrust()).trust for rank in RANKS]
         return Branching(lambda k: max(plan.rate * (verify(k + 1) - verify(k)), MIN_NODE_CHANCE), trust, pass_cost)
+
+    def catch_up(self, plan: Plan, context: list[int]) -> Generator[Pass, None, None]:
+        """Before the plan's draft: the draft model's prefill that begin() put off, where the plan
+        drafts with it (its passes handed out as begin's; no part of the round's time)."""
+        if plan.source is Source.MODEL and self.model_prefill is not None:
+            chunk, self.model_prefill = self.model_prefill, None
+            yield from self.drafters[Source.MODEL].begin_steps(context, chunk)
 
     def draft(
         self,

@@ -77,6 +77,7 @@ class Cache:
 
     def __init__(self, model) -> None:
         self.model = model
+        self.reuse = 0  # llama-server's --cache-reuse: cached runs of this many tokens at least are shifted (0: none)
 
     @property
     def rollback(self) -> Rollback:
@@ -191,17 +192,51 @@ class Cache:
             self.model.states = [SequenceState() for _ in range(self.model.n_seq)]
             self.model.state = self.model.states[self.model.seq]
 
-    def sync(self, tokens: list[int]) -> int:
+    def sync(self, tokens: list[int], *, prompt: bool = False) -> int:
         """Keep the longest cached prefix of `tokens` this context can cut back to, but never
         the last token, whose logits the caller needs from a fresh eval; with a prompt cache, a
         saved state that shares more of `tokens` is brought back (and the one that would be cut,
-        kept); another sequence that holds more of them is copied in. Returns how many tokens
-        were kept: the caller evaluates the rest."""
+        kept); another sequence that holds more of them is copied in; a prompt's read (`prompt`)
+        with cache reuse on also keeps the runs of it cached after what changed (shift_runs).
+        Returns how many tokens were kept: the caller evaluates the rest."""
         n = self.shares(tokens)
         # a prompt of another conversation (a round discards fewer): keep what would be lost, bring back a better one
         if self.model.prompt_cache is not None and max(len(tokens) - 1, len(self.model.tokens)) - n >= MIN_TOKENS:
             n = self.model.prompt_cache.swap(self.model, tokens, n)
-        return self.cut(self._copy_from_neighbour(tokens, n))
+        n = self._copy_from_neighbour(tokens, n)
+        if prompt and self.reuse and len(self.model.tokens) - n >= self.reuse:
+            n = self.shift_runs(tokens, n)
+        return self.cut(n)
+
+    def shift_runs(self, tokens: list[int], kept: int) -> int:
+        """llama-server's --cache-reuse: past the first `kept` tokens, each cached run of at least
+        `reuse` tokens that `tokens` (all but the last) go on with is moved to where they have it
+        (llama_memory_seq_add shifts its positions, RoPE'd keys rotated along), the cells before it
+        removed, so that an editor's snippets after the one its ring dropped stay read. Not what a
+        fresh read computes: the moved cells were read after what was dropped (hence opt-in).
+        Returns how many tokens the cache now shares with `tokens`."""
+        held = np.asarray(self.model.tokens, dtype=np.int32).tobytes()
+        limit = len(tokens) - 1
+        at_prompt = at_cache = kept
+        while at_prompt + self.reuse <= limit:
+            needle = np.asarray(tokens[at_prompt : at_prompt + self.reuse], dtype=np.int32).tobytes()
+            found = held.find(needle, 4 * at_cache)
+            while found > 0 and found % 4:  # (a match across token boundaries)
+                found = held.find(needle, found + 1)
+            if found < 0:
+                break
+            run_at, n = found // 4, self.reuse
+            run = n + common_prefix(self.model.tokens[run_at + n :], tokens[at_prompt + n :], limit - at_prompt - n)
+            self.check(llama_cpp.llama_memory_seq_rm(self.model.llama_memory, self.model.seq, at_prompt, run_at))
+            llama_cpp.llama_memory_seq_add(
+                self.model.llama_memory, self.model.seq, run_at, run_at + run, at_prompt - run_at
+            )
+            at_prompt, at_cache = at_prompt + run, run_at + run
+        if at_prompt > kept:
+            self.check(llama_cpp.llama_memory_seq_rm(self.model.llama_memory, self.model.seq, at_prompt, -1))
+            self.drop_from(kept)
+            self.model.tokens.extend(tokens[kept:at_prompt])
+        return at_prompt
 
     def _copy_from_neighbour(self, tokens: list[int], kept: int) -> int:
         """Where another sequence holds MIN_RESTORED more of `tokens` than this one keeps (an

@@ -64,6 +64,7 @@ def load(
     n_threads: int | None = None,
     n_gpu_layers: int = 0,
     cache_ram: int = DEFAULT_CACHE_RAM_MIB,
+    cache_reuse: int = 0,
     offline: bool = False,
     progress: bool = True,
     check_template: bool = False,
@@ -90,7 +91,11 @@ def load(
     n_gpu_layers offloads layers on Metal/CUDA builds. cache_ram: MiB for the KV
     states of earlier prompts (prompt_cache.py: in RAM while in use, written to disk by the
     engine's idle work), so alternating conversations each pay only for their new part; 0
-    keeps only the live one. check_template: render the target's chat
+    keeps only the live one. cache_reuse: as llama-server's --cache-reuse, a prompt's cached runs of
+    at least this many tokens after what changed are shifted into place, not read again (an
+    editor's ring of snippets that dropped its oldest: kv_cache.Cache.shift_runs); such an answer
+    is not exactly the target's for the prompt sent (the shifted cells were read after the text
+    dropped), so 0, the default, keeps none. check_template: render the target's chat
     template once (in the sandbox) before the models are loaded and timed, so that a hostile
     one fails at once (the command line does, for chat prompts); otherwise it fails per request
     and raw text still works. parallel: requests the engine answers at once (a sequence each in
@@ -124,6 +129,8 @@ def load(
         )
     if not 1 <= parallel <= MAX_PARALLEL:
         raise EdgespecError(f"parallel must be 1..{MAX_PARALLEL} requests at once, got {parallel}")
+    if cache_reuse < 0:
+        raise EdgespecError(f"cache reuse is a number of tokens, 0 for none; got {cache_reuse}")
     draft_mode = parse_mode(draft_mode)  # (whether it needs a draft is known once the target's file is)
 
     paths = [resolve_model(m, offline=offline, progress=progress) for m in (target, draft) if m not in (None, HEADS)]
@@ -163,6 +170,11 @@ def load(
         if heads:
             models[0].hidden.export()
             drafter = HeadsDrafter(Heads(models[0]))
+        for model in models if cache_reuse else ():
+            if not model.can_shift:
+                name = model.path.name
+                raise EdgespecError(f"{name}'s cache cannot be shifted (a recurrent state); drop --cache-reuse")
+            model.cache.reuse = cache_reuse
         if cache_ram > 0:
             cache = PromptCache(cache_ram << 20)
             for model in models:

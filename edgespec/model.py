@@ -172,6 +172,11 @@ class Model(Tokenizer):
         return self.states[seq].last_used
 
     @property
+    def can_shift(self) -> bool:
+        """Whether cached cells can move to other positions (an attention cache: kv_cache's shift_runs)."""
+        return not self.recurrent and bool(llama_cpp.llama_memory_can_shift(self.llama_memory))
+
+    @property
     def can_branch(self) -> bool:
         """Whether a pass may carry a tree of drafts (Pass.parents): a one-sequence attention context."""
         return self.branches > 0

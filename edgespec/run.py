@@ -152,7 +152,7 @@ class Run:
         target, prompt, scored = self.target, self.prompt, self.request.prompt_logprobs
         self.sequences.enter(self.sequence)
         # scored, every prompt token's row is needed: none of them comes from the cache
-        self.stats.n_prompt_cached = target.cache.cut(0) if scored else target.cache.sync(prompt)
+        self.stats.n_prompt_cached = target.cache.cut(0) if scored else target.cache.sync(prompt, prompt=True)
         if scored:  # nothing comes before the first token to score it
             self.prompt_logprobs = [TokenLogprob(prompt[0], target.piece(prompt[0]), None)]
         waited = False  # for another run reading this prompt's start: once
@@ -165,7 +165,7 @@ class Run:
                 break
             if not (scored or waited) and (waited := (yield from self._waited(at))):  # copy what it read
                 self.enter()
-                self.stats.n_prompt_cached = target.cache.sync(prompt)
+                self.stats.n_prompt_cached = target.cache.sync(prompt, prompt=True)
                 continue
             chunk = prompt[at : min(at + self.prefill_chunk, len(prompt) - 1)]
             logits = (yield from self._pass(chunk, len(chunk) if scored else None)).logits
@@ -174,7 +174,8 @@ class Run:
                 self.prompt_logprobs += token_logprobs(logits, following, self.request.logprobs or 0, target.piece)
         self.sequences.read(self.sequence)
         room = min(target.n_ctx, self.limit - 1) - len(prompt)
-        yield from self.controller.begin(prompt, room, self.prefill_chunk)  # the draft model's prefill
+        # the draft model's prefill (a streamed answer's, at its first draft)
+        yield from self.controller.begin(prompt, room, self.prefill_chunk, streamed=self.request.streamed)
         return True
 
     def _waited(self, have: int) -> Iterator[Pass]:
@@ -278,6 +279,8 @@ class Run:
             # prompt's answer shows none until it has written the healed text again
             plan = controller.plan(seq, room, constraint, first=self.request.streamed and not self.shown)
             clock.mark("draft")
+            yield from controller.catch_up(plan, seq)
+            clock.mark(None)  # (a prefill: not the round's time)
             draft, drafting = yield from _own_time(controller.draft(plan, seq, params, self.rng, constraint))
             clock.mark("draft", own=drafting)  # (other runs' steps may have come between its draft model's passes)
             self.enter()

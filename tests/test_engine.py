@@ -190,6 +190,26 @@ def test_a_streamed_answer_gets_its_first_token_from_a_plain_step(self_engine, m
     events.close()
 
 
+def test_a_streamed_answers_first_token_waits_for_no_draft_model_prefill(self_engine, monkeypatch):
+    """The draft model reads a streamed answer's prompt before its first draft, after the first
+    token (a keystroke's few new tokens cost it a pass of its own on a CPU); a whole answer's is
+    read first, as before. Where a model draft pays (GpuCosts) the later rounds draft with it, and
+    the answer is Llama's."""
+    monkeypatch.setattr(self_engine, "costs", GpuCosts())
+    prompt = "Name the planets of the solar system in order."
+    tokens, draft = self_engine.prompt_tokens(prompt), self_engine.draft_model
+    events = self_engine.stream(prompt, temperature=0, max_tokens=32, draft_mode="auto")
+    first = next(events)
+    assert draft.cache.shares(tokens) < len(tokens) - 1 and first.stats.drafted == 0
+    streamed = [first.token] + [event.token for event in events if not event.done]
+    assert first.stats.drafted_by_source.get("model", 0) > 0  # (the stats object goes on to the end)
+    assert_greedy_as_llama("streamed, its draft model's prefill put off", self_engine, prompt, streamed, limit=32)
+    draft.cache.truncate(0)
+    whole = self_engine.start(prompt, temperature=0, max_tokens=32, draft_mode="auto")
+    next(self_engine.events(whole))
+    assert draft.cache.shares(tokens) == len(tokens) - 1  # read before the first round
+
+
 def test_max_tokens_and_stop_strings(self_engine):
     out = self_engine.generate("Count from 1 to 20, separated by commas.", temperature=0, max_tokens=5)
     assert out.stats.n_tokens == 5 and out.finish_reason == "length"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..model import TREE_BRANCHES, Model
 from ..modes import Source
+from ..prompt_cache import common_prefix
 from .base import Branching, Draft, Drafter, leaves
 
 CONTEXT, PREDICTION = 0, 1  # the copy drafter's sources
@@ -109,6 +110,18 @@ class NgramIndex:
                     self.tables[n].setdefault(tuple(tokens[follower - n : follower]), []).append(follower)
         self.indexed = max(self.indexed, len(tokens))
 
+    def cut(self, tokens: list[int], n: int) -> None:
+        """Forget the n-grams followed at positions >= n of `tokens` (the list as indexed)."""
+        for follower in range(max(n, 1), self.indexed):
+            for size in self.sizes:
+                if follower >= size:
+                    key = tuple(tokens[follower - size : follower])
+                    places = self.tables[size][key]
+                    places.pop()  # (a key's followers are in order: those cut are its last ones)
+                    if not places:
+                        del self.tables[size][key]
+        self.indexed = min(self.indexed, n)
+
     def clear(self) -> None:
         for table in self.tables.values():
             table.clear()
@@ -126,9 +139,12 @@ class Conversation:
     def continued_by(self, context: list[int]) -> bool:
         return len(context) >= len(self.tokens) and context[: len(self.tokens)] == self.tokens
 
-    def clear(self) -> None:
-        self.tokens.clear()
-        self.ngrams.clear()
+    def keep_shared(self, context: list[int]) -> None:
+        """Keep only what the conversation shares with `context` (an editor's next keystroke, a
+        regenerated answer: what they share stays indexed, as a KV cache keeps its prefix)."""
+        n = common_prefix(self.tokens, context, len(context))
+        self.ngrams.cut(self.tokens, n)
+        del self.tokens[n:]
 
 
 class Alignment:
@@ -296,8 +312,8 @@ class CopyDrafter(Drafter):
     # --- following the target ---------------------------------------------------
     def _follow(self, context: list[int]) -> None:
         seen = self.sources[CONTEXT]
-        if not self.conversation.continued_by(context):  # a different conversation
-            self.conversation.clear()
+        if not self.conversation.continued_by(context):  # another conversation, or another turn of it
+            self.conversation.keep_shared(context)
             for alignment in self.alignments:
                 alignment.reset()
         for token in context[len(seen) :]:

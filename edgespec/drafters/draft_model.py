@@ -31,7 +31,7 @@ class ModelDrafter(Drafter):
     def begin_steps(self, prompt: list[int], chunk: int | None = None) -> Generator[Pass, None, None]:
         """begin(), its passes handed out: `chunk` tokens at most each (None: all in one), so that a
         long prompt's read holds the other runs' steps up for one pass at most."""
-        ahead = prompt[self.model.cache.sync(prompt) : -1]
+        ahead = prompt[self.model.cache.sync(prompt, prompt=True) : -1]
         step = chunk or max(1, len(ahead))
         for at in range(0, len(ahead), step):
             yield from self._pass(ahead[at : at + step])
