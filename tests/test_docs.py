@@ -132,8 +132,7 @@ def test_readme_editors_section(default_server):
 @pytest.mark.parametrize("sampling", ["llama.vscode's", "greedy"])
 def test_fim_side_by_side_script_runs(tmp_path, sampling):
     script = Path(__file__).parents[1] / "scripts" / "fim_side_by_side.py"
-    keystrokes = "3" if sampling == "greedy" else "2"  # (the sampled one's three answers take longer)
-    argv = [sys.executable, str(script), "--llama-server", "unused", "--sessions", "1", "--keystrokes", keystrokes]
+    argv = [sys.executable, str(script), "--llama-server", "unused", "--sessions", "1", "--keystrokes", "2"]
     argv += ["--ctx", "4096", "--only", "edgespec", "--out", str(tmp_path)]
     done = subprocess.run(
         [*argv, *(["--greedy"] if sampling == "greedy" else [])], capture_output=True, text=True, timeout=900
