@@ -320,13 +320,17 @@ def save(model: Model, sizes, curve: CostCurve) -> None:
     store.write(_key(model, sizes), curve.to_json())
 
 
-def recheck(curves: list[tuple[Model, CostCurve]], *, every: bool = False, timer: Timer = TIMER) -> None:
+def recheck(curves: list[tuple[Model, CostCurve]], *, every: bool = False, timer: Timer = TIMER) -> bool:
     """Measure again what is due (CostCurve.due: a point a curve), alternating between the
-    models so that both see the same load; every: until nothing is due, or a pass finds no
-    room in the context (its point stays due, for a re-check on an emptier one)."""
+    models so that both see the same load; every: until nothing is due. False where a pass
+    found no room in the context (its point stays due, for a re-check on an emptier one) or
+    the CPU was crowded."""
     while plans := [(model, curve, k) for model, curve in curves if (k := curve.due()) is not None]:
-        if not _recheck(plans, timer) or not every:
-            return
+        if not _recheck(plans, timer):
+            return False
+        if not every:
+            break
+    return True
 
 
 def _recheck(plans: list[tuple[Model, CostCurve, int]], timer: Timer) -> bool:

@@ -352,26 +352,31 @@ class MachineCosts:
         if costs is None:
             return
         if costs.look_stale():
+            for curve in self._curves.values():
+                curve.mark_stale()
             self.recheck = Recheck.ALL
         elif self._credit >= 0 and self.recheck is Recheck.NONE:
             self.recheck = Recheck.DUE
 
     def upkeep(self) -> None:
-        """Time again the costs the last answers found stale (see calibration.recheck), if any."""
+        """Time again one point of each curve the last answers found stale (see calibration.recheck),
+        if any: a request that comes meanwhile waits for one point's passes at most. Where all were
+        stale, recheck stays ALL until each point has been timed again (or a pass finds no room)."""
         curves = [(model, curve) for (model, _), curve in self._curves.items()]
         recheck, self.recheck = self.recheck, Recheck.NONE
+        if recheck is Recheck.NONE:
+            return
         try:
-            if recheck is Recheck.ALL:
-                for _, curve in curves:
-                    curve.mark_stale()
-                calibration.recheck(curves, every=True, timer=self.timer)
-            elif recheck is Recheck.DUE:
-                start = perf_counter()
-                calibration.recheck(curves, timer=self.timer)
-                self._credit -= (perf_counter() - start) / RECHECK_SHARE
+            start = perf_counter()
+            timed = calibration.recheck(curves, timer=self.timer)
         except Exception as e:  # kept due, and said in every answer's stats until a re-check works
             self.recheck, self.renewal_failed = recheck, f"{type(e).__name__}: {e}".splitlines()[0][:200]
             raise
+        if recheck is Recheck.ALL:
+            if timed and any(curve.due() is not None for _, curve in curves):
+                self.recheck = Recheck.ALL
+        else:
+            self._credit -= (perf_counter() - start) / RECHECK_SHARE
         self.renewal_failed = None
 
     def save(self) -> None:

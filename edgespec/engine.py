@@ -26,7 +26,12 @@ from .sequences import Sequences
 from .stats import Stats
 from .tools import ToolCall
 
-IDLE_PASS_S = 0.25  # idle work reads prompts in passes this long at most (2-core CPU: 6-8 tokens): a request waits
+# idle work reads prompts in passes this long at most: a request that comes meanwhile waits for the pass
+# (on a 2-core AMD EPYC 0.25 s made an editor's keystroke wait 100 ms at p50 between keystrokes 0.5 s apart)
+IDLE_PASS_S = 0.1
+# re-checks of the costs (a few passes of up to 64 tokens) wait for this long without a request: not
+# between an editor's keystrokes or an agent's calls (upkeep(), told the engine is idle, does not wait)
+RECHECK_QUIET_S = 2.0
 MEMORY_SAVE_S = 60.0  # idle, the memory is saved once this long has passed since it last was (and at close)
 
 
@@ -84,6 +89,7 @@ class Engine:
         self.sequences = Sequences(self.models)  # one per request answered at once (Model's n_seq)
         self.known_rows = KnownRows(target.n_vocab)  # the rows of the latest answers, for the next to the same prompt
         self._idle: IdleRun | None = None  # the idle work under way
+        self._requested_at = -RECHECK_QUIET_S  # monotonic() when a request last started or ended
         self.memory = memory
 
     @property
@@ -102,15 +108,16 @@ class Engine:
         ahead for an editor's next keystroke (keystrokes.py). For when the engine is idle (an
         EngineThread does it then, a step at a time; the command line after its answer).
         until: a time.perf_counter() to stop at (None: when it is all done)."""
-        while (until is None or perf_counter() < until) and self.idle_step():
+        while (until is None or perf_counter() < until) and self.idle_step(quiet_s=0.0):
             pass
 
-    def idle_step(self) -> bool:
+    def idle_step(self, quiet_s: float = RECHECK_QUIET_S) -> bool:
         """One step of idle work (a cost re-check, a saved prompt state written to disk, the memory
         saved, or a prompt pass or round of an editor's next request, IDLE_PASS_S at most on this
         machine); False where there was none. A request
-        started meanwhile stops the work in progress; what it read stays cached."""
-        if self.costs.recheck is not Recheck.NONE:
+        started meanwhile stops the work in progress; what it read stays cached. quiet_s: how long
+        the engine must have had no request before a cost re-check."""
+        if self.costs.recheck is not Recheck.NONE and monotonic() - self._requested_at >= quiet_s:
             self.costs.upkeep()
             return True
         if self.target.prompt_cache is not None and self.target.prompt_cache.spill():
@@ -147,8 +154,14 @@ class Engine:
         """Seconds until idle work that waits for time to pass is due (a saved prompt state to
         write to disk, the memory to save), where idle_step() has none now; None: there is none."""
         cache = self.target.prompt_cache
-        due = [cache.spill_due() if cache is not None else None, self._memory_due()]
+        due = [cache.spill_due() if cache is not None else None, self._memory_due(), self._recheck_due()]
         return min((d for d in due if d is not None), default=None)
+
+    def _recheck_due(self) -> float | None:
+        """Seconds until a cost re-check may run (RECHECK_QUIET_S without a request); None: none is due."""
+        if self.costs.recheck is Recheck.NONE:
+            return None
+        return max(0.0, self._requested_at + RECHECK_QUIET_S - monotonic())
 
     def _memory_due(self) -> float | None:
         """Seconds until the memory is saved (MEMORY_SAVE_S after it last was); None: nothing to save."""
@@ -184,6 +197,7 @@ class Engine:
         compiled). cancelled: set it from another thread to stop the run at its next prefill chunk or
         round (a server's client gone)."""
         self._stop_idle()
+        self._requested_at = monotonic()
         return self._start(_request(request, options), cancelled=cancelled)
 
     def _stop_idle(self) -> None:
@@ -276,7 +290,8 @@ class Engine:
                 yield event
                 continue
             text.append(event.text)
-            if event.done:  # before the last event goes out: an engine thread re-checks once the answer is in
+            if event.done:  # before the last event goes out: idle work re-checks the costs once all is quiet
+                self._requested_at = monotonic()
                 self.costs.answered(run.stats.prefill_s + run.stats.decode_s, run.controller.costs)
                 if run.layout is not None and run.stats.finish_reason != "cancelled":  # an editor's next keystroke
                     self.prompts.keystrokes.answered(run.request, run.layout, "".join(text))

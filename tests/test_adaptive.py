@@ -299,6 +299,18 @@ def test_a_pass_never_costs_more_than_its_tokens_one_at_a_time():
     assert curve(32) <= 32 * curve(1) * cost_curve.BATCH_SLACK
 
 
+class Counting(calibration.Timer):
+    """The real timer, counting the passes it times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes = 0
+
+    def __call__(self, model, k, tries):
+        self.passes += 1
+        return super().__call__(model, k, tries)
+
+
 class Scripted(calibration.Timer):
     """A timer that says what each pass took instead of timing it, and what share of their
     cores' time the model's threads had (half on a crowded CPU, all of it else, unless told)."""
@@ -592,9 +604,13 @@ def test_a_curve_timed_on_a_busy_machine_is_renewed_after_one_answer(tmp_path, m
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     quiet = calibration.measure(smollm2, calibration.TARGET_SIZES)
     calibration.save(smollm2, calibration.TARGET_SIZES, CostCurve({k: 3 * v for k, v in quiet.points.items()}))
-    engine = Engine(smollm2, None)
+    timer = Counting()
+    engine = Engine(smollm2, None, timer=timer)
     engine.generate("Count from one to twenty.", temperature=0, max_tokens=40)
     assert engine.costs.recheck is Recheck.ALL
+    assert not engine.idle_step() and timer.passes == 0 and engine.idle_due() > 1.0  # not right after a request
+    assert engine.idle_step(quiet_s=0.0) and timer.passes == 3  # one point (its pass, two single steps) a step:
+    assert engine.costs.recheck is Recheck.ALL  # a request that comes meanwhile waits for that much at most
     engine.upkeep()
     renewed = engine.costs.curve(smollm2)
     # timed again, not the 3x kept: within 2x of the first timing (on an AMX Xeon, 2 cores, the

@@ -145,12 +145,12 @@ def test_serve_temperature_is_that_of_requests_that_set_none(server):
 
 def test_messages_refusals_come_in_anthropic_shape(server):
     base = server.url.removesuffix("/v1")
-    no_limit = httpx.post(f"{base}/v1/messages", json={"messages": HELLO}, headers={"x-api-key": KEY})
+    no_limit = httpx.post(f"{base}/v1/messages", json={"messages": HELLO}, headers={"x-api-key": KEY}, timeout=60)
     assert no_limit.status_code == 400 and no_limit.json()["type"] == "error"
     assert no_limit.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in no_limit.text
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
     seeing = {"messages": [{"role": "user", "content": [image]}], "max_tokens": 5}
-    refused = httpx.post(f"{base}/v1/messages", json=seeing, headers={"x-api-key": KEY})
+    refused = httpx.post(f"{base}/v1/messages", json=seeing, headers={"x-api-key": KEY}, timeout=60)
     assert refused.status_code == 400 and "'image'" in refused.json()["error"]["message"]
     with pytest.raises(anthropic.AuthenticationError) as wrong:
         anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(

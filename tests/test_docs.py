@@ -133,7 +133,7 @@ def test_readme_editors_section(default_server):
 def test_fim_side_by_side_script_runs(tmp_path, sampling):
     script = Path(__file__).parents[1] / "scripts" / "fim_side_by_side.py"
     argv = [sys.executable, str(script), "--llama-server", "unused", "--sessions", "1", "--keystrokes", "2"]
-    argv += ["--ctx", "4096", "--only", "edgespec", "--out", str(tmp_path)]
+    argv += ["--ctx", "1024", "--only", "edgespec", "--out", str(tmp_path)]  # a short layout: suite time
     done = subprocess.run(
         [*argv, *(["--greedy"] if sampling == "greedy" else [])], capture_output=True, text=True, timeout=900
     )

@@ -107,8 +107,8 @@ def test_a_keystroke_reads_what_it_typed_and_enter_keeps_the_head(engine):
     keys = sessions(1)[0].keystrokes
     enter = next(i for i, k in enumerate(keys) if k.after_enter)
 
-    def typed(key):
-        run = engine.start(greedy_request(key, max_tokens=8))
+    def typed(key):  # the target's reads alone (no draft model's: suite time)
+        run = engine.start(greedy_request(key, max_tokens=8, draft_mode="off"))
         list(engine.events(run))
         return run
 
@@ -130,17 +130,16 @@ def test_the_last_suggestion_drafts_the_next_keystroke_and_tab_finds_its_answer_
     and the answer is the same; Tab (the suggestion accepted) finds its prompt read and its answer
     drafted while the engine was idle."""
     monkeypatch.setattr(engine, "costs", GpuCosts())
-    engine.forget()
-    key = sessions(1)[0].keystrokes[5]
-    shown = engine.generate(greedy_request(key, max_tokens=16))
+    key = sessions(1)[0].keystrokes[5]  # (its head, that of the line typed above, is read there: suite time)
+    shown = engine.generate(greedy_request(key, max_tokens=16, draft_mode="copy"))
     assert len(shown.text.split("\n")[0]) > 2, shown.text
     typed = replace(key.infill, cursor_line=key.infill.cursor_line + shown.text[0])
-    next_key = engine.generate(greedy_request(replace(key, infill=typed), max_tokens=16))
+    next_key = engine.generate(greedy_request(replace(key, infill=typed), max_tokens=16, draft_mode="copy"))
     assert next_key.text.split("\n")[0] == shown.text[1:].split("\n")[0]
     assert next_key.stats.accepted_prediction_tokens > 0 and next_key.stats.rounds <= 4, next_key.stats.as_dict()
     engine.upkeep()  # the accepted suggestion is answered while idle
     accepted = Infill.at_cursor(typed.before + next_key.text, typed.suffix, typed.chunks)
-    tab = engine.generate(greedy_request(replace(key, infill=accepted), max_tokens=11))
+    tab = engine.generate(greedy_request(replace(key, infill=accepted), max_tokens=11, draft_mode="copy"))
     assert tab.stats.n_prompt - tab.stats.n_prompt_cached <= 3 and tab.stats.accepted_prediction_tokens > 0
 
 
@@ -322,11 +321,17 @@ def test_a_prompt_in_fim_markup_is_read_as_its_infill(engine):
 
 
 def test_tabby_streams_choices_of_a_suffix_completion(server):
+    """Tabby's body ends at `if part.` before a suffix of `quantity < quantity:`: an empty middle
+    is a right answer too (at its temperature 0.1, about one answer in 500 heals `.` as `.`, then
+    ends), so what is judged is the stream's form and that a non-empty answer goes on from `part.`."""
     body = recorded("tabby-completions.json")["body"]
     chunks = list(server.client().completions.create(**body))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert text and finishes in (["stop"], ["length"])
+    if text:
+        assert finishes in (["stop"], ["length"]) and text[0].isalnum(), (finishes, text)
+    else:
+        assert finishes == ["stop"], finishes
 
 
 def test_a_completion_that_ends_mid_word_is_healed(server):

@@ -160,7 +160,7 @@ def test_completions_models_and_health(server):
 def test_llama_servers_completion_and_infill_on_a_model_without_fim_tokens(server, engine):
     root = server.url.removesuffix("/v1")
     native = httpx.post(
-        root + "/completion", json={"prompt": "The capital of France is", "n_predict": 8, "temperature": 0}
+        root + "/completion", json={"prompt": "The capital of France is", "n_predict": 8, "temperature": 0}, timeout=60
     )
     assert native.status_code == 200 and native.json()["stop"] is True
     # (/completion heals a prompt's last word: " is" goes back, and the answer writes it first)
@@ -173,7 +173,7 @@ def test_llama_servers_completion_and_infill_on_a_model_without_fim_tokens(serve
     ]:
         refused = httpx.post(root + path, json=body, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["code"] == 400
-    infill = httpx.post(root + "/infill", json={"input_prefix": "def f():\n", "input_suffix": "\n"}).json()
+    infill = httpx.post(root + "/infill", json={"input_prefix": "def f():\n", "input_suffix": "\n"}, timeout=60).json()
     assert "no fill-in-the-middle tokens (prefix, suffix, middle missing)" in infill["error"]["message"]
     suffix = server.post("/completions", json={"prompt": "def f():\n", "suffix": "\n"})
     assert suffix.status_code == 400 and "fill-in-the-middle" in suffix.json()["error"]["message"]
