@@ -8,10 +8,13 @@ import shutil
 from functools import partial
 
 import pytest
+from tiny_models import write_tiny
 
 from edgespec import bench, cli
+from edgespec.bench import editors
 from edgespec.cli import build_parser, main
 from edgespec.registry import load_registry
+from edgespec.resolve import resolve_model
 
 SMALL = ["--pair", "smollm2-self", "--ctx", "512"]
 
@@ -115,6 +118,30 @@ def test_bad_bench_selection_fails_before_loading(capsys, monkeypatch, extra, wo
 def test_bench_fim_on_a_model_without_fim_tokens_is_one_line(capsys, smollm2_path):
     code, _, err = run(capsys, "bench", *SMALL, "--prompts", "fim")
     assert_one_line_error(code, err, "no fill-in-the-middle tokens", "Qwen2.5-Coder")
+
+
+def test_bench_fim_types_in_the_engines_own_modes_where_auto_also_runs_chains(capsys, monkeypatch, tmp_path):
+    """A target that verifies trees adds an "auto with chains only" row to the prompt classes;
+    the typing sessions run in the engine's draft modes alone (a tiny pair on Qwen's vocabulary,
+    which has fill-in-the-middle tokens; three keystrokes typed without pauses)."""
+    qwen = resolve_model("qwen2.5-coder-0.5b")
+    target = write_tiny(tmp_path / "tiny.gguf", "llama", qwen)
+    draft = write_tiny(tmp_path / "tiny-draft.gguf", "llama", qwen, noise=0.3)
+    drawn = editors.sessions
+    monkeypatch.setattr(
+        editors, "sessions", lambda count, seed: [editors.Session("s", drawn(1, seed)[0].keystrokes[:3])]
+    )
+    for name in ("KEY_S", "ENTER_PAUSE_S"):
+        monkeypatch.setattr(editors, name, 0.0)
+    for name in ("PREFIX_LINES", "SUFFIX_LINES", "CHUNK_LINES"):
+        monkeypatch.setattr(editors, name, 8)
+    monkeypatch.setitem(editors.LLAMA_VSCODE, "n_predict", 4)
+    argv = ["bench", "--target", str(target), "--draft", str(draft), "--ctx", "1024", "--modes", "auto"]
+    code, out, err = run(capsys, *argv, "--prompts", "code-edit,fim", "--max-tokens", "8", "--json")
+    assert code == 0, err
+    whole = json.loads(out)
+    assert bench.CHAINS in whole["prompts"][0]["modes"]  # the classes price trees against chains
+    assert set(whole["fim"]["modes"]) == {"off", "auto"}
 
 
 def test_bench_rounds_prices_the_python_of_a_round(capsys, smollm2_path):

@@ -114,6 +114,7 @@ def _run_bench(engine, repeats, max_tokens, gamma, log, llama_baseline, modes, p
     if concurrency.NAME in (prompts or ()):
         concurrency.check_engine(engine)
     modes = [m for m in MODES if m is DraftMode.OFF or (m in modes and m in engine.draft_modes)]
+    draft_modes = list(modes)  # the typing sessions' and concurrent requests' modes: no chains or llama rows
     if DraftMode.AUTO in modes and engine.target.can_branch:
         modes.append(CHAINS)
     if llama_baseline:
@@ -148,14 +149,14 @@ def _run_bench(engine, repeats, max_tokens, gamma, log, llama_baseline, modes, p
             rows[-1]["auto_vs_chains"] = _paired(rows[-1]["modes"], DraftMode.AUTO, CHAINS)
     fim = None
     if editors.NAME in (prompts or ()) or (not prompts and not engine.target.fim.missing()):
-        fim = editors.run_fim(engine, [m for m in modes if m != "llama"], repeats, log)
+        fim = editors.run_fim(engine, draft_modes, repeats, log)
     rounds = round_time.run_rounds(engine, repeats, log) if round_time.NAME in (prompts or ()) else None
     repeat = None
     if repeated_work.NAME in (prompts or ()):
         repeat = repeated_work.run_repeat(engine, max_tokens, repeats, log, memory_mb)
     concurrent = None
     if concurrency.NAME in (prompts or ()):
-        concurrent = concurrency.run_concurrent(engine, [m for m in modes if m != "llama"], repeats, max_tokens, log)
+        concurrent = concurrency.run_concurrent(engine, draft_modes, repeats, max_tokens, log)
     return {
         "target": engine.target.path.name,
         "draft": engine.draft_name,
