@@ -270,6 +270,11 @@ class Engine:
         its length, up to what the tokenizer is given at all)."""
         return self.prompts.tokens(_request(request, options), fit)
 
+    def prompt_text(self, request: Request | Prompt, **options) -> str:
+        """The request's prompt as text, before it is tokenized: raw, or rendered with the chat
+        template (and the tools), as llama-server's /apply-template gives it."""
+        return self.prompts.text(_request(request, options))
+
     def events(self, run: Run) -> Iterator[Event]:
         """The events of a started Run (what stream() gives): a caller that must know the
         request is good before its prefill (the server) starts it, then takes its events."""

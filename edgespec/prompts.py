@@ -103,6 +103,11 @@ class Prompts:
             tokens = tokens[1:]
         return self._fitting(tokens, fit)
 
+    def text(self, request: Request) -> str:
+        """The request's prompt as text, before it is tokenized: raw, or rendered with the chat
+        template (and the tools)."""
+        return self._text(self.read_markup(request), MAX_CHARS_PER_TOKEN * self.target.n_ctx)
+
     def fim_tokens(self) -> FimTokens:
         """The target's fill-in-the-middle tokens; EdgespecError naming those it lacks."""
         fim = self.target.fim

@@ -104,13 +104,14 @@ class Tokenizer:
         """Text as tokens, no special token added or parsed (an editor's text is data)."""
         return self.tokenize(text, add_special=False)
 
-    def piece(self, token: int) -> bytes:
-        """The raw bytes of one token; may be part of a multi-byte character."""
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of one token; may be part of a multi-byte character. special: a control
+        token (<|im_end|>) as its text, where an answer's text leaves it out."""
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:

@@ -4,6 +4,7 @@ talked to with the official `openai` client and raw HTTP."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -13,12 +14,16 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import openai
 import pytest
-from reference import assert_greedy_as_llama
+from llama_cpp import Llama
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+from reference import assert_greedy_as_llama, reference_for
 
 import edgespec
 from edgespec import Request, Stats
+from edgespec.cli import DEFAULT_PARALLEL
 from edgespec.modes import DraftMode, Gamma
 from edgespec.request import Defaults
 from edgespec.run import Event
@@ -177,6 +182,87 @@ def test_llama_servers_completion_and_infill_on_a_model_without_fim_tokens(serve
     assert "no fill-in-the-middle tokens (prefix, suffix, middle missing)" in infill["error"]["message"]
     suffix = server.post("/completions", json={"prompt": "def f():\n", "suffix": "\n"})
     assert suffix.status_code == 400 and "fill-in-the-middle" in suffix.json()["error"]["message"]
+
+
+def test_llama_servers_n_probs_are_llamas_own_softmax(server, engine):
+    """n_probs on /completion: each token's log-probability and its likeliest alternatives as
+    llama-server's completion_probabilities, Llama's log-softmax along the same tokens (one-token
+    passes, as Llama generates); a stream's chunks carry their own tokens'; post_sampling_probs,
+    which the engine cannot give, is refused by name."""
+    root = server.url.removesuffix("/v1")
+    text = "Three colours of the rainbow are"
+    body = {"prompt": text, "n_predict": 8, "temperature": 0, "n_probs": 3, "heal": False, "draft_mode": "off"}
+    whole = httpx.post(root + "/completion", json=body, timeout=60).json()
+    probs = whole["completion_probabilities"]
+    assert len(probs) == whole["tokens_predicted"] == 8
+    assert b"".join(bytes(p["bytes"]) for p in probs).decode() == whole["content"]
+    llm, prompt = reference_for(engine.target).llm, reference_for(engine.target).prompt(text, raw=True)
+    llm.reset()
+    llm.eval(prompt)
+    for p in probs[:-1]:
+        llm.eval([p["id"]])
+    rows = Llama.logits_to_logprobs(np.array(llm.scores[len(prompt) - 1 : len(prompt) - 1 + len(probs)]))
+    for served, row in zip(probs, rows, strict=True):
+        top = served["top_logprobs"]
+        assert len(top) == 3 and top[0]["id"] == served["id"] and top[0]["logprob"] == served["logprob"]  # greedy
+        assert abs(served["logprob"] - row[served["id"]]) < 1e-3
+        assert [round(a["logprob"], 3) for a in top] == [round(float(v), 3) for v in np.sort(row)[::-1][:3]]
+        assert bytes(served["bytes"]) == llm.detokenize([served["id"]])
+    with httpx.stream("POST", root + "/completion", json=body | {"stream": True}, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    streamed = [p for e in events if not e["stop"] for p in e["completion_probabilities"]]
+    assert streamed == probs and "completion_probabilities" not in events[-1]  # (as llama-server's last event)
+    plain = httpx.post(root + "/completion", json=body | {"n_probs": 0}, timeout=60).json()
+    assert "completion_probabilities" not in plain and plain["content"] == whole["content"]
+    for field, value, words in [("post_sampling_probs", True, "post_sampling_probs"), ("n_probs", 99, "0..20")]:
+        refused = httpx.post(root + "/completion", json=body | {field: value}, timeout=60)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
+
+
+def test_llama_servers_tokenize_detokenize_apply_template_and_props(server, engine):
+    """The small endpoints clients call beside /completion, against llama-cpp-python's own
+    tokenizer and chat formatter."""
+    root = server.url.removesuffix("/v1")
+    llm = reference_for(engine.target).llm
+    text = "Déjà vu: <|im_end|> and 🦙 tokens"
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(root + path, json=body, timeout=60)
+
+    tokens = post("/tokenize", {"content": text}).json()["tokens"]
+    assert tokens == llm.tokenize(text.encode(), add_bos=False, special=True)
+    assert post("/tokenize", {"content": text, "parse_special": False}).json()["tokens"] == llm.tokenize(
+        text.encode(), add_bos=False, special=False
+    )
+    with_bos = post("/tokenize", {"content": [text, 42, "x"], "add_special": True}).json()["tokens"]
+    assert with_bos == llm.tokenize(text.encode(), add_bos=True, special=True) + [42] + llm.tokenize(
+        b"x", add_bos=False, special=True
+    )
+    pieces = post("/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == tokens
+    assert any(isinstance(p["piece"], list) for p in pieces)  # the llama's bytes come apart: not whole UTF-8
+    joined = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert joined == text.encode()
+    assert post("/detokenize", {"tokens": tokens}).json()["content"] == llm.detokenize(tokens, special=True).decode()
+    assert post("/detokenize", {"tokens": tokens}).json()["content"] == text
+
+    messages = [{"role": "system", "content": "Be brief."}, *HELLO]
+    template = llm.metadata["tokenizer.chat_template"]
+    eos = llm.detokenize([llm.token_eos()], special=True).decode()
+    expected = Jinja2ChatFormatter(template, eos_token=eos, bos_token="")(messages=messages).prompt
+    assert post("/apply-template", {"messages": messages}).json()["prompt"] == expected
+
+    props = httpx.get(root + "/props", timeout=60).json()
+    assert props["chat_template"] == template and props["total_slots"] == DEFAULT_PARALLEL
+    assert props["default_generation_settings"]["n_ctx"] == CTX and props["model_path"].endswith(".gguf")
+
+    for path, body, words in [
+        ("/detokenize", {"tokens": [10**9]}, "token id 1000000000 is not in the model's vocabulary"),
+        ("/tokenize", {"content": {"a": 1}}, "'content' must be a string"),
+        ("/apply-template", {"messages": "hi"}, "messages"),
+    ]:
+        refused = post(path, body)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
 
 
 @pytest.mark.slow

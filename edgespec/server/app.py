@@ -38,13 +38,15 @@ from ..errors import EdgespecError, EngineFault, PromptExceedsContext
 from ..fim import Infill
 from ..passes import Pass
 from ..request import Request, RequestError
-from . import anthropic_api
+from ..tokenizer import Tokenizer
+from . import anthropic_api, llama_api, openai_api
 from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, log_answer, refused
 from .llama_api import LlamaServer
 from .metrics import Metrics, ServerLoad, resident_bytes
 from .openai_api import OpenAIChat
 from .responses_api import Responses
 
+LLAMA_SERVER_PATHS = ("/infill", "/completion", "/tokenize", "/detokenize", "/apply-template", "/props")
 MAX_BODY = 8 << 20  # bytes: a whole source file as a prediction fits many times over
 KEEPALIVE_S = 15.0  # a stream silent this long gets a keep-alive
 
@@ -244,6 +246,10 @@ class Api:
             Route("/v1/responses", answer(self.responses), methods=["POST"]),
             Route("/completion", answer(self.completion_native), methods=["POST"]),  # llama-server's own
             Route("/infill", answer(self.infill), methods=["POST"]),
+            Route("/tokenize", partial(self._vocabulary, work=llama_api.tokenize_body), methods=["POST"]),
+            Route("/detokenize", partial(self._vocabulary, work=llama_api.detokenize_body), methods=["POST"]),
+            Route("/apply-template", self.apply_template, methods=["POST"]),
+            Route("/props", self.props),
         ]
         if self.metrics:
             routes.append(Route("/metrics", self.prometheus))
@@ -255,7 +261,7 @@ class Api:
         """The API a path belongs to (its refusals come in that API's error JSON)."""
         if path.startswith("/v1/messages"):
             return self.messages
-        return self.infill if path in ("/infill", "/completion") else self.chat
+        return self.infill if path in LLAMA_SERVER_PATHS else self.chat
 
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok"})
@@ -271,6 +277,39 @@ class Api:
         model |= {"draft": self.draft_name, "max_model_len": target.n_ctx}
         model["meta"] = {"n_ctx": target.n_ctx, "n_ctx_train": target.n_ctx_train, "n_vocab": target.n_vocab}
         return JSONResponse({"object": "list", "data": [model]})
+
+    async def props(self, request: HttpRequest) -> Response:
+        return JSONResponse(llama_api.props(self.worker.engine, self.model_name, self.metrics))
+
+    async def _vocabulary(self, request: HttpRequest, work: Callable[[dict, Tokenizer], dict]) -> Response:
+        """/tokenize and /detokenize: the target's vocabulary only (read-only in llama.cpp, so not
+        queued behind the engine's work, as in llama-server), on a thread of their own."""
+        try:
+            body = await _json_body(request)
+            try:
+                return JSONResponse(await asyncio.to_thread(work, body, self.worker.engine.target))
+            except RequestError as e:
+                raise refused(e) from None
+        except ApiError as e:
+            log.warning("%s %s: %d %s", request.method, request.url.path, e.status, e)
+            return self.infill.error(e)
+
+    async def apply_template(self, request: HttpRequest) -> Response:
+        """llama-server's /apply-template: a chat completion body's prompt as text, rendered with
+        the chat template (and its tools) on the engine's thread, as a request's would be."""
+        try:
+            try:
+                chat = openai_api.request_of(await _json_body(request), chat=True)
+            except RequestError as e:
+                raise refused(e) from None
+            render = partial(self.worker.engine.prompt_text, chat)
+            try:
+                return JSONResponse({"prompt": await asyncio.wrap_future(self.worker.thread.submit(render))})
+            except Exception as e:  # a template refusing the messages is a 400, a bug a 500
+                raise failure_of(e, self.worker.metrics) from None
+        except ApiError as e:
+            log.warning("%s %s: %d %s", request.method, request.url.path, e.status, e)
+            return self.infill.error(e)
 
     async def count_tokens(self, request: HttpRequest) -> Response:
         """Anthropic's count_tokens: the prompt's tokens as the model reads them (rendered on the

@@ -13,20 +13,30 @@ llama.cpp's infill sampler (sampling.infill). The named filters run in llama.cpp
 order whatever the order given; penalties, DRY, XTC, typical-p and top-n-sigma are accepted
 and left out (their llama-server defaults switch them off). cache_prompt and
 t_max_prompt_ms are accepted: a prompt is always read from the cache where it can be, and
-llama-server does not time prompts either.
+llama-server does not time prompts either. n_probs: each token's log-probability and its
+likeliest alternatives as llama-server's `completion_probabilities` (the model's own softmax,
+before the samplers, as llama-server's without post_sampling_probs, which is refused).
+
+llama-server's small endpoints beside them: POST /tokenize, /detokenize and /apply-template,
+GET /props (tokenize_body, detokenize_body, props).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from importlib.metadata import version
 
+import llama_cpp
 from starlette.responses import JSONResponse
 
+from ..engine import Engine
 from ..fim import Chunk, Infill
-from ..request import Request, RequestError
+from ..logprobs import TokenLogprob, top_count
+from ..request import Request, RequestError, checked
 from ..sampling import SamplingParams
 from ..stats import Stats
+from ..tokenizer import Tokenizer
 from .answers import MAX_ANSWERS, Answer, ApiError, Dialect, Job, Piece, refused, sse
 from .api_body import completion_prompt, constraint_of, json_field, own_fields, sampling_of
 
@@ -61,7 +71,7 @@ def request_of(body: dict, *, infill: bool) -> Request:
     deadline_ms = json_field(body, "t_max_predict_ms", (int, float), 0)
     json_schema, grammar = constraint_of(body)
     sampling, sets_temperature = _sampling(body)
-    fields = own_fields(body) | {"sets_temperature": sets_temperature}
+    fields = own_fields(body) | {"sets_temperature": sets_temperature, "logprobs": _n_probs(body)}
     if fields["heal"] is None and json_schema is None and grammar is None:
         fields["heal"] = True  # an editor's text ends where the user is typing: mid-word, often
     return Request(
@@ -76,6 +86,18 @@ def request_of(body: dict, *, infill: bool) -> Request:
         json_schema=json_schema,
         **fields,
     )
+
+
+def _n_probs(body: dict) -> int | None:
+    """n_probs: the alternatives shown per token (None: no probabilities)."""
+    if json_field(body, "post_sampling_probs", (bool,), False):
+        raise RequestError(
+            "'post_sampling_probs' is not supported: n_probs gives the model's own log-probabilities,"
+            " before the samplers; leave it out",
+            "post_sampling_probs",
+        )
+    count = checked(top_count, json_field(body, "n_probs", (int,), 0), "n_probs", param="n_probs")
+    return count or None
 
 
 def answers_of(body: dict) -> int:
@@ -179,7 +201,7 @@ class LlamaServer(Dialect):
         results = []
         while answer is not None:
             piece = await answer.whole()
-            results.append(self._result(answer, piece.text, has_new_line="\n" in piece.text))
+            results.append(self._result(answer, piece.text, has_new_line="\n" in piece.text, logprobs=piece.logprobs))
             answer = await answer.following()
         return results[0] if len(results) == 1 else results
 
@@ -196,7 +218,7 @@ class LlamaServer(Dialect):
 
     def _partial(self, answer: Answer, piece: Piece) -> dict:
         stats = piece.stats
-        return {
+        partial = {
             "index": answer.index,
             "content": piece.text,
             "tokens": [],
@@ -205,8 +227,9 @@ class LlamaServer(Dialect):
             "tokens_predicted": stats.n_tokens,
             "tokens_evaluated": stats.n_prompt,
         }
+        return partial | ({"completion_probabilities": probabilities(piece.logprobs)} if piece.logprobs else {})
 
-    def _result(self, answer: Answer, content: str, *, has_new_line: bool) -> dict:
+    def _result(self, answer: Answer, content: str, *, has_new_line: bool, logprobs=()) -> dict:
         stats, request = answer.stats, answer.run.request
         sampling = request.sampling
         settings = {
@@ -221,7 +244,7 @@ class LlamaServer(Dialect):
             "n_indent": request.min_indent,
             "stream": answer.job.stream,
         }
-        return {
+        result = {
             "index": answer.index,
             "content": content,
             "tokens": [],
@@ -239,12 +262,103 @@ class LlamaServer(Dialect):
             "timings": timings(stats),
             "speculative": stats.as_dict(),
         }
+        return result | ({"completion_probabilities": probabilities(logprobs)} if logprobs else {})
 
     def error(self, error: ApiError) -> JSONResponse:
         return JSONResponse({"error": _error(error)}, status_code=error.status)
 
     def stream_error(self, error: ApiError) -> str:
         return sse({"error": _error(error)})
+
+
+def tokenize_body(body: dict, vocab: Tokenizer) -> dict:
+    """POST /tokenize: `content` (a string, or a list of strings and token ids) as tokens, with
+    their pieces where `with_pieces` asks (the text, or its bytes where they are not whole UTF-8);
+    add_special (false) adds BOS before the first string, parse_special (true) reads control
+    tokens written in the text."""
+    content = body.get("content", "")
+    parts = [content] if isinstance(content, str) else content
+    if not isinstance(parts, list) or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in parts):
+        raise RequestError("'content' must be a string, or a list of strings and token ids", "content")
+    add_special = json_field(body, "add_special", (bool,), False)
+    parse_special = json_field(body, "parse_special", (bool,), True)
+    tokens = []
+    for i, part in enumerate(parts):
+        if isinstance(part, int):
+            tokens += _checked_tokens([part], vocab, "content")
+        else:
+            tokens += vocab.tokenize(part, add_special=add_special and i == 0, parse_special=parse_special)
+    if not json_field(body, "with_pieces", (bool,), False):
+        return {"tokens": tokens}
+    return {"tokens": [{"id": t, "piece": _text_or_bytes(vocab.piece(t, special=True))} for t in tokens]}
+
+
+def detokenize_body(body: dict, vocab: Tokenizer) -> dict:
+    """POST /detokenize: `tokens` as text, control tokens written out (as llama-server does)."""
+    tokens = body.get("tokens", [])
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise RequestError("'tokens' must be a list of token ids", "tokens")
+    data = b"".join(vocab.piece(t, special=True) for t in _checked_tokens(tokens, vocab, "tokens"))
+    return {"content": data.decode("utf-8", "replace")}
+
+
+def _checked_tokens(tokens: list[int], vocab: Tokenizer, param: str) -> list[int]:
+    """Token ids of this vocabulary (llama.cpp aborts on one outside it)."""
+    if bad := next((t for t in tokens if not 0 <= t < vocab.n_vocab), None):
+        raise RequestError(f"token id {bad} is not in the model's vocabulary (0..{vocab.n_vocab - 1})", param)
+    return tokens
+
+
+def _text_or_bytes(piece: bytes) -> str | list[int]:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
+def props(engine: Engine, model: str, metrics: bool) -> dict:
+    """GET /props: llama-server's properties of what this server runs; the generation settings
+    are those of a request that sets none (the server's temperature where it has one)."""
+    target, sampling = engine.target, SamplingParams()
+    temperature = engine.defaults.temperature if engine.defaults.temperature is not None else sampling.temperature
+    limit = engine.defaults.max_tokens
+    params = {
+        "n_predict": -1 if limit is None else limit,
+        "seed": -1,
+        "temperature": temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "min_p": sampling.min_p,
+        "stop": [],
+        "n_probs": 0,
+        "samplers": ["top_k", "top_p", "min_p", "temperature"],
+    }
+    words = (target.token_text(t).decode("utf-8", "replace") for t in (target.bos, target.eos))
+    return {
+        "default_generation_settings": {"n_ctx": target.n_ctx, "params": params},
+        "total_slots": engine.sequences.count,  # requests answered at once (serve --parallel)
+        "model_alias": model,
+        "model_path": str(target.path),
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": False,
+        "endpoint_props": False,
+        "endpoint_metrics": metrics,
+        "chat_template": target.chat_template() or "",
+        **dict(zip(("bos_token", "eos_token"), words, strict=True)),
+        "build_info": f"edgespec {version('edgespec')}, llama-cpp-python {llama_cpp.__version__}",
+        "is_sleeping": False,
+    }
+
+
+def probabilities(logprobs: list[TokenLogprob]) -> list[dict]:
+    """llama-server's completion_probabilities: each token and its alternatives, likeliest first."""
+
+    def entry(scored: TokenLogprob) -> dict:
+        # (a token may end inside a UTF-8 character: its text is what decodes, its bytes are all)
+        text = scored.piece.decode("utf-8", "ignore")
+        return {"id": scored.token, "token": text, "bytes": list(scored.piece), "logprob": scored.logprob}
+
+    return [entry(t) | {"top_logprobs": [entry(a) for a in t.top]} for t in logprobs]
 
 
 def _error(error: ApiError) -> dict:
