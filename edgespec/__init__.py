@@ -35,6 +35,7 @@ _MODULES = {
     "Source": "modes",
     "Request": "request",
     "Law": "sampling",
+    "Penalties": "sampling",
     "SamplingParams": "sampling",
     "Stats": "stats",
     "ToolCall": "tools",

@@ -228,7 +228,9 @@ class Engine:
         drafters = Drafters(copy, self.drafter, self.forced, memory)
         planned = adaptive(request.draft_mode, request.gamma)  # else nothing is planned: no costs needed
         costs = self.costs.of_request(self.target, self.drafter) if planned else None
-        trees = request.trees and self.target.can_branch
+        request.sampling.penalties.check(self.target.n_vocab)
+        # (a row's penalties follow the tokens before it: a chain's, see run.TargetRows)
+        trees = request.trees and self.target.can_branch and not request.sampling.penalties.active
         controller = Controller(request.draft_mode, request.gamma, costs, drafters, trees=trees)
         return Run(
             self.target,

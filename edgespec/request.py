@@ -19,7 +19,7 @@ from .fim import Infill
 from .logprobs import top_count
 from .modes import DraftMode, Gamma, draft_mode
 from .sampling import DEFAULT as DEFAULT_SAMPLING
-from .sampling import SamplingParams
+from .sampling import NO_PENALTIES, Penalties, SamplingParams
 
 Prompt = str | Sequence[Message] | Infill
 MAX_STOP = 16  # stop strings per request
@@ -187,6 +187,7 @@ class Request:
         top_p: float = DEFAULT_SAMPLING.top_p,
         min_p: float = DEFAULT_SAMPLING.min_p,
         seed: int | None = None,
+        penalties: Penalties = NO_PENALTIES,
         tools: Sequence[dict] | None = None,
         tool_choice: tools.ToolChoice | str | dict | None = None,
         parallel_tool_calls: bool = True,
@@ -203,7 +204,7 @@ class Request:
         the sampling settings one by one, and speculative=False for draft_mode "off"."""
         return cls(
             prompt,
-            SamplingParams(temperature, top_k, top_p, min_p, seed),
+            SamplingParams(temperature, top_k, top_p, min_p, seed, penalties=penalties),
             max_tokens=max_tokens,
             stop=stop,
             raw=raw,

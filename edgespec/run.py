@@ -325,7 +325,8 @@ class Run:
     def _accept(self, draft: Draft, logits: np.ndarray, constraint: Constraint | None) -> tuple[list[int], int]:
         """The draft's nodes the target keeps, by its rows `logits` after the sequence (row 0) and
         after each node, and the token after them; the constraint advanced through both."""
-        rows = TargetRows(logits, self.params, self.target, constraint, draft.tokens)
+        answer = self.seq[len(self.prompt) :]
+        rows = TargetRows(logits, self.params, self.target, constraint, draft.tokens, answer)
         if self.params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
             kept, next_token = verify_tree_greedy(draft.tokens, draft.parents, rows.argmax)
         else:  # accept x_i w.p. min(1, p_i(x)/q_i(x)); else resample norm(max(p_i - q_i, 0)); bonus from p_γ
@@ -358,7 +359,9 @@ class TargetRows:
     """The target's law at each row of a verify pass, made only when verification gets
     there. Under a constraint, row i is the constrained law in the constraint's state after
     draft[:i]: the constraint walks along the draft as far as it is accepted, never past a
-    rejection, so it has nothing to roll back (a chain's: trees are drafted without one)."""
+    rejection, so it has nothing to roll back (a chain's: trees are drafted without one). Under
+    penalties (SamplingParams.penalties), row i's logits are penalised for the answer's tokens
+    before it, draft[:i] included (a chain's: trees are not drafted under penalties)."""
 
     def __init__(
         self,
@@ -367,21 +370,29 @@ class TargetRows:
         target: Model,
         constraint: Constraint | None,
         draft: list[int],
+        answer: list[int],
     ) -> None:
         self.logits, self.params, self.target, self.constraint, self.draft = logits, params, target, constraint, draft
+        self.answer = answer  # the answer's tokens before row 0
         self.walked = 0  # draft tokens the constraint has taken
 
     def p(self, i: int) -> Law:
         if self.constraint is None:
-            return law(self.logits[i], self.params, self.target)
+            return law(self._row(i), self.params, self.target)
         self._walk(i)
-        return self.constraint.law(self.logits[i], self.params, self.target)
+        return self.constraint.law(self._row(i), self.params, self.target)
 
     def argmax(self, i: int) -> int:
         if self.constraint is None:
-            return int(np.argmax(self.logits[i]))
+            return int(np.argmax(self._row(i)))
         self._walk(i)
-        return self.constraint.argmax(self.logits[i])
+        return self.constraint.argmax(self._row(i))
+
+    def _row(self, i: int) -> np.ndarray:
+        penalties = self.params.penalties
+        if not penalties.active:
+            return self.logits[i]
+        return penalties.apply(self.logits[i], self.answer + self.draft[:i])
 
     def advance(self, n_accepted: int, next_token: int) -> None:
         """Take the round's tokens into the constraint: the accepted draft, then the next token."""

@@ -24,10 +24,59 @@ INFILL_CANDIDATES = 64  # ... and works on at most this many (where no top-k lim
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """What llama-cpp-python's Llama does to a row's logits before its chain: `bias` added to
+    chosen tokens' logits (-inf: never), then llama.cpp's penalties sampler over the answer's last
+    `last_n` tokens (Llama's last_n_tokens_size; the prompt's are not counted, as Llama's sampler
+    accepts only the tokens it samples): a token seen c times there has its logit multiplied by
+    `repeat` where <= 0, divided by it where > 0, then lowered by c * frequency + presence. In
+    float32, as llama.cpp computes them."""
+
+    repeat: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+    last_n: int = 64
+    bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
+
+    def __post_init__(self) -> None:
+        if not self.repeat > 0:
+            raise EdgespecError(f"the repeat penalty must be > 0, got {self.repeat}; use 1 to switch it off")
+        if self.last_n < 0:
+            raise EdgespecError(f"the penalties' window must be >= 0 tokens, got {self.last_n}")
+
+    def check(self, n_vocab: int) -> None:
+        """EdgespecError where the bias names a token the vocabulary does not have."""
+        if bad := next((t for t, _ in self.bias if not 0 <= t < n_vocab), None):
+            raise EdgespecError(f"logit_bias: token id {bad} is not in the model's vocabulary (0..{n_vocab - 1})")
+
+    @property
+    def active(self) -> bool:
+        counted = self.last_n > 0 and (self.repeat != 1 or self.frequency != 0 or self.presence != 0)
+        return counted or bool(self.bias)
+
+    def apply(self, logits: np.ndarray, answer: Sequence[int]) -> np.ndarray:
+        """The row's logits penalised for the answer's tokens before it (a copy)."""
+        z = np.array(logits, dtype=np.float32)
+        if self.bias:
+            ids, added = zip(*self.bias, strict=True)
+            z[list(ids)] += np.array(added, dtype=np.float32)
+        window = answer[len(answer) - self.last_n :] if self.last_n else ()
+        if len(window) and (self.repeat != 1 or self.frequency != 0 or self.presence != 0):
+            ids, counts = np.unique(np.asarray(window), return_counts=True)
+            seen, repeat = z[ids], np.float32(self.repeat)
+            seen = np.where(seen <= 0, seen * repeat, seen / repeat)
+            z[ids] = seen - (counts.astype(np.float32) * np.float32(self.frequency) + np.float32(self.presence))
+        return z
+
+
+NO_PENALTIES = Penalties()
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """llama.cpp's defaults. temperature 0 means greedy; top_k 0, top_p 1 and
     min_p 0 switch those filters off. infill: llama.cpp's infill sampler after them
-    (what llama.vscode asks for; see infill())."""
+    (what llama.vscode asks for; see infill()). penalties: applied to each row first."""
 
     temperature: float = 0.8
     top_k: int = 40
@@ -35,6 +84,7 @@ class SamplingParams:
     min_p: float = 0.05
     seed: int | None = None
     infill: bool = False
+    penalties: Penalties = NO_PENALTIES
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:

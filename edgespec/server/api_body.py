@@ -4,19 +4,70 @@ or by Request itself, and a bad one is a RequestError naming it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ..request import RequestError, checked
 from ..sampling import DEFAULT as DEFAULT_SAMPLING
-from ..sampling import SamplingParams
+from ..sampling import NO_PENALTIES, Penalties, SamplingParams
+
+# llama.cpp's samplers edgespec does not run: refused where a body switches one on (the value that leaves it off)
+UNSUPPORTED_SAMPLERS = {
+    "typical_p": 1.0,
+    "tfs_z": 1.0,
+    "mirostat": 0,
+    "dry_multiplier": 0.0,
+    "xtc_probability": 0.0,
+    "top_n_sigma": -1.0,
+}
+WHOLE_ANSWER = 1 << 30  # repeat_last_n -1 (llama-server: the whole context): every token of the answer
 
 
 def sampling_of(body: dict) -> SamplingParams:
     """The sampling settings of an API request body (temperature, top_p, and llama-server's
-    top_k, min_p and seed, by the names every API here uses); the defaults for those unset."""
+    top_k, min_p and seed, by the names every API here uses; OpenAI's presence and frequency
+    penalties and logit_bias, llama-server's repeat_penalty and repeat_last_n); the defaults for
+    those unset. A sampler edgespec does not run, switched on, is refused by name."""
+    for name, off in UNSUPPORTED_SAMPLERS.items():
+        if json_field(body, name, (int, float), off) != off:
+            raise RequestError(f"'{name}' is not supported by edgespec; leave it out or set it to {off}", name)
     sampling = {name: json_field(body, name, (int, float)) for name in ("temperature", "top_p", "min_p")}
     sampling |= {"top_k": json_field(body, "top_k", (int,)), "seed": json_field(body, "seed", (int,))}
-    return checked(lambda: replace(DEFAULT_SAMPLING, **{k: v for k, v in sampling.items() if v is not None}))
+    given = {k: v for k, v in sampling.items() if v is not None} | {"penalties": _penalties(body)}
+    return checked(lambda: replace(DEFAULT_SAMPLING, **given))
+
+
+def _penalties(body: dict) -> Penalties:
+    fields = {"presence_penalty": "presence", "frequency_penalty": "frequency", "repeat_penalty": "repeat"}
+    given = {own: json_field(body, name, (int, float)) for name, own in fields.items()}
+    last_n = json_field(body, "repeat_last_n", (int,))
+    if last_n is not None and last_n < -1:
+        raise RequestError("'repeat_last_n' must be -1 (the whole answer), 0 (none) or more tokens", "repeat_last_n")
+    given["last_n"] = WHOLE_ANSWER if last_n == -1 else last_n
+    given["bias"] = _logit_bias(body.get("logit_bias"))
+    return checked(lambda: replace(NO_PENALTIES, **{k: v for k, v in given.items() if v is not None}))
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as OpenAI sends it ({"token id": bias}) or llama-server ([[id, bias], ...], a
+    bias of false: never); token ids only."""
+    if bias is None:
+        return ()
+    pairs = list(bias.items()) if isinstance(bias, dict) else bias
+    if not isinstance(pairs, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise RequestError("'logit_bias' must be {\"token id\": bias} or [[token id, bias], ...]", "logit_bias")
+    out = []
+    for token, value in pairs:
+        if isinstance(token, str) and token.lstrip("-").isdigit():
+            token = int(token)
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise RequestError(f"logit_bias: {token!r} is not a token id (texts are not supported)", "logit_bias")
+        if value is False:
+            value = -math.inf
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise RequestError(f"logit_bias: the bias of token {token} must be a number (or false)", "logit_bias")
+        out.append((token, float(value)))
+    return tuple(out)
 
 
 def own_fields(body: dict) -> dict:

@@ -10,8 +10,9 @@ objects, one per answer.
 Sampling as llama-server's: `samplers` names the filters that run (others are off, and
 without "temperature" the law is at temperature 1, as in llama.cpp's chain); "infill" is
 llama.cpp's infill sampler (sampling.infill). The named filters run in llama.cpp's default
-order whatever the order given; penalties, DRY, XTC, typical-p and top-n-sigma are accepted
-and left out (their llama-server defaults switch them off). cache_prompt and
+order whatever the order given; penalties (repeat_penalty, repeat_last_n, presence_penalty,
+frequency_penalty) run where the list names them, logit_bias always; DRY, XTC, typical-p and
+top-n-sigma are accepted in the list and refused where a field switches them on. cache_prompt and
 t_max_prompt_ms are accepted: a prompt is always read from the cache where it can be, and
 llama-server does not time prompts either. n_probs: each token's log-probability and its
 likeliest alternatives as llama-server's `completion_probabilities` (the model's own softmax,
@@ -34,7 +35,7 @@ from ..engine import Engine
 from ..fim import Chunk, Infill
 from ..logprobs import TokenLogprob, top_count
 from ..request import Request, RequestError, checked
-from ..sampling import SamplingParams
+from ..sampling import NO_PENALTIES, SamplingParams
 from ..stats import Stats
 from ..tokenizer import Tokenizer
 from .answers import MAX_ANSWERS, Answer, ApiError, Dialect, Job, Piece, refused, sse
@@ -49,9 +50,18 @@ SAMPLERS = {
     "temperature": "temperature",
     "temp": "temperature",
     "infill": "infill",
-    **dict.fromkeys(("penalties", "dry", "xtc", "typ_p", "typical_p", "typ", "top_n_sigma", "adaptive_p")),
+    "penalties": "penalties",
+    **dict.fromkeys(("dry", "xtc", "typ_p", "typical_p", "typ", "top_n_sigma", "adaptive_p")),
 }
-SAMPLER_CHARS = {"k": "top_k", "p": "top_p", "m": "min_p", "t": "temperature", "i": "infill", **dict.fromkeys("edxys")}
+SAMPLER_CHARS = {
+    "k": "top_k",
+    "p": "top_p",
+    "m": "min_p",
+    "t": "temperature",
+    "i": "infill",
+    "e": "penalties",
+    **dict.fromkeys("dxys"),
+}
 STOP_TYPES = {
     "stop": "eos",
     "stop_string": "word",
@@ -160,6 +170,8 @@ def _sampling(body: dict) -> tuple[SamplingParams, bool]:
         min_p=sampling.min_p if "min_p" in on else 0.0,
         temperature=sampling.temperature if "temperature" in on else 1.0,
         infill="infill" in on,
+        # (logit_bias is no sampler of the list: llama-server applies it whatever the list says)
+        penalties=sampling.penalties if "penalties" in on else replace(NO_PENALTIES, bias=sampling.penalties.bias),
     )
     return chain, given or "temperature" not in on
 
