@@ -354,6 +354,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     root = url.removesuffix("/v1")
     print(f"  llama-server API at {root} (completion, infill): editors' code completion", file=sys.stderr)
+    print(f"  Ollama API at {root} (api/chat, api/generate, api/tags): OLLAMA_HOST for its apps", file=sys.stderr)
     if args.metrics:
         print(f"  Prometheus metrics at {root}/metrics", file=sys.stderr)
     print(
@@ -460,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     v = sub.add_parser(
-        "serve", help="an HTTP API for OpenAI and Anthropic clients (chat, completions, responses, messages)"
+        "serve", help="an HTTP API for OpenAI, Anthropic and Ollama clients (chat, completions, responses, messages)"
     )
     _model_options(v)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")

@@ -116,6 +116,16 @@ def test_readme_logprobs_section(capsys, default_server):
 
 
 @pytest.mark.slow
+def test_server_page_ollama_example(capsys, default_server):
+    """The `ollama` library's chat, as the server page shows it, on the default pair."""
+    (python,) = code_blocks(section(page("server.md"), "Ollama's API"), "python")
+    host = default_server.url.removesuffix("/v1")
+    exec(compile(python.replace("http://127.0.0.1:8080", host), "server.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "printf" in out and "tokens;" in out and "format='gguf'" in out
+
+
+@pytest.mark.slow
 def test_readme_editors_section(default_server):
     """The /infill example, and the side-by-side script (edgespec's servers only: llama-server
     is not built here) on one completion."""

@@ -150,6 +150,8 @@ class Answer:
 class Dialect:
     """One HTTP API over the engine: what it reads (job) and how it answers (whole, chunks, error)."""
 
+    media_type = "text/event-stream"  # of its streams
+
     def job(self, body: dict) -> Job:
         """The job of a request body; ApiError naming the first field that is wrong."""
         raise NotImplementedError

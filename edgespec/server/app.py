@@ -43,6 +43,7 @@ from . import anthropic_api, llama_api, openai_api
 from .answers import Answer, ApiError, ContextExceeded, Dialect, Job, log, log_answer, refused
 from .llama_api import LlamaServer
 from .metrics import Metrics, ServerLoad, resident_bytes
+from .ollama_api import Ollama, OllamaModels
 from .openai_api import OpenAIChat
 from .responses_api import Responses
 
@@ -226,6 +227,9 @@ class Api:
             self.draft_name = engine.draft_name
         self.completion_native = LlamaServer(model_name, n_ctx, infill=False)
         self.infill = LlamaServer(model_name, n_ctx, infill=True)
+        self.ollama_chat = Ollama(model_name, chat=True)
+        self.ollama_generate = Ollama(model_name, chat=False)
+        self.ollama_models = OllamaModels(engine, model_name)
 
     def app(self) -> Starlette:
         @asynccontextmanager
@@ -250,6 +254,12 @@ class Api:
             Route("/detokenize", partial(self._vocabulary, work=llama_api.detokenize_body), methods=["POST"]),
             Route("/apply-template", self.apply_template, methods=["POST"]),
             Route("/props", self.props),
+            Route("/api/chat", answer(self.ollama_chat), methods=["POST"]),  # Ollama's
+            Route("/api/generate", answer(self.ollama_generate), methods=["POST"]),
+            Route("/api/tags", partial(self._ollama_models, view=OllamaModels.tags)),
+            Route("/api/ps", partial(self._ollama_models, view=OllamaModels.running)),
+            Route("/api/show", partial(self._ollama_models, view=OllamaModels.show), methods=["POST"]),
+            Route("/api/version", partial(self._ollama_models, view=lambda _: OllamaModels.version())),
         ]
         if self.metrics:
             routes.append(Route("/metrics", self.prometheus))
@@ -261,6 +271,8 @@ class Api:
         """The API a path belongs to (its refusals come in that API's error JSON)."""
         if path.startswith("/v1/messages"):
             return self.messages
+        if path.startswith("/api/"):
+            return self.ollama_chat
         return self.infill if path in LLAMA_SERVER_PATHS else self.chat
 
     async def health(self, request: HttpRequest) -> Response:
@@ -277,6 +289,10 @@ class Api:
         model |= {"draft": self.draft_name, "max_model_len": target.n_ctx}
         model["meta"] = {"n_ctx": target.n_ctx, "n_ctx_train": target.n_ctx_train, "n_vocab": target.n_vocab}
         return JSONResponse({"object": "list", "data": [model]})
+
+    async def _ollama_models(self, request: HttpRequest, view: Callable[[OllamaModels], dict]) -> Response:
+        """Ollama's model endpoints (a file's digest is read once, on a thread of its own)."""
+        return JSONResponse(await asyncio.to_thread(view, self.ollama_models))
 
     async def props(self, request: HttpRequest) -> Response:
         return JSONResponse(llama_api.props(self.worker.engine, self.model_name, self.metrics))
@@ -333,6 +349,8 @@ class Api:
         watcher = None
         try:
             body = await _json_body(request)
+            if isinstance(dialect, Ollama) and (loaded := dialect.loads_only(body)) is not None:
+                return JSONResponse(loaded)  # (Ollama's way to load a model: a request without a prompt)
             job = dialect.job(body)
             self.worker.submit(job)
             watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
@@ -346,7 +364,7 @@ class Api:
             if job.stream:
                 watcher, streaming = None, watcher  # the stream owns it from here
                 return StreamingResponse(
-                    _stream(dialect, answer, streaming, self.worker.metrics), media_type="text/event-stream"
+                    _stream(dialect, answer, streaming, self.worker.metrics), media_type=dialect.media_type
                 )
             return JSONResponse(await dialect.whole(answer))
         except ApiError as e:
