@@ -53,13 +53,12 @@ def request_of(body: dict, *, chat: bool) -> Request:
     if predict < -2:
         raise RequestError("'options.num_predict' must be -1 (no limit), -2 (fill the context) or more", "num_predict")
     schema = _format(body.get("format"))
-    prompt, raw = _messages(body) if chat else _generate_prompt(body)
-    sampling = {**options, "temperature": options.get("temperature")}
+    prompt, raw = (_messages(body), False) if chat else _generate_prompt(body)
     own = own_fields(body) | {"sets_temperature": options.get("temperature") is not None}
     tools = {"tools": body["tools"]} if chat and body.get("tools") else {}
     return Request(
         prompt,
-        sampling_of(sampling),
+        sampling_of(options),
         max_tokens=None if predict < 0 else predict,
         stop=stop_strings(options.get("stop"), "stop"),
         raw=raw,
@@ -79,7 +78,7 @@ def _format(value) -> dict | None:
     raise RequestError("'format' must be \"json\" or a JSON schema", "format")
 
 
-def _messages(body: dict) -> tuple[list[dict], bool]:
+def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
@@ -96,10 +95,12 @@ def _messages(body: dict) -> tuple[list[dict], bool]:
                 raise RequestError(f"{where}.tool_calls must be a list of calls", f"{where}.tool_calls")
             message["tool_calls"] = [{"type": "function", "function": c["function"]} for c in calls]
         chat.append(message)
-    return chat, False
+    return chat
 
 
 def _generate_prompt(body: dict) -> tuple[str | list[dict] | Infill, bool]:
+    """A generate's prompt, and whether it is raw: a fill-in-the-middle where a suffix is given,
+    the text as it is where `raw`, else one user message (after the `system` one) to template."""
     prompt = json_field(body, "prompt", (str,), "")
     if suffix := json_field(body, "suffix", (str,)):
         return Infill.at_cursor(prompt, suffix), False
