@@ -325,7 +325,7 @@ class Run:
     def _accept(self, draft: Draft, logits: np.ndarray, constraint: Constraint | None) -> tuple[list[int], int]:
         """The draft's nodes the target keeps, by its rows `logits` after the sequence (row 0) and
         after each node, and the token after them; the constraint advanced through both."""
-        answer = self.seq[len(self.prompt) :]
+        answer = self.seq[len(self.prompt) :] if self.params.penalties.counts_tokens else []  # (a copy: only if read)
         rows = TargetRows(logits, self.params, self.target, constraint, draft.tokens, answer)
         if self.params.greedy:  # accept while x_i == argmax p_i; the next token is the target's argmax
             kept, next_token = verify_tree_greedy(draft.tokens, draft.parents, rows.argmax)

@@ -50,9 +50,13 @@ class Penalties:
             raise EdgespecError(f"logit_bias: token id {bad} is not in the model's vocabulary (0..{n_vocab - 1})")
 
     @property
+    def counts_tokens(self) -> bool:
+        """Whether the tokens in the window change a row (else only the bias does)."""
+        return self.last_n > 0 and (self.repeat != 1 or self.frequency != 0 or self.presence != 0)
+
+    @property
     def active(self) -> bool:
-        counted = self.last_n > 0 and (self.repeat != 1 or self.frequency != 0 or self.presence != 0)
-        return counted or bool(self.bias)
+        return self.counts_tokens or bool(self.bias)
 
     def apply(self, logits: np.ndarray, answer: Sequence[int]) -> np.ndarray:
         """The row's logits penalised for the answer's tokens before it (a copy)."""
@@ -60,8 +64,8 @@ class Penalties:
         if self.bias:
             ids, added = zip(*self.bias, strict=True)
             z[list(ids)] += np.array(added, dtype=np.float32)
-        window = answer[len(answer) - self.last_n :] if self.last_n else ()
-        if len(window) and (self.repeat != 1 or self.frequency != 0 or self.presence != 0):
+        window = answer[-self.last_n :] if self.counts_tokens else ()
+        if len(window):
             ids, counts = np.unique(np.asarray(window), return_counts=True)
             seen, repeat = z[ids], np.float32(self.repeat)
             seen = np.where(seen <= 0, seen * repeat, seen / repeat)
