@@ -106,6 +106,11 @@ def test_a_tool_round_trip(client):
     result = {"role": "tool", "content": get_weather(**made.function.arguments), "tool_name": "get_weather"}
     answer = client.chat(model="smollm2", messages=[*ask, first.message, result], tools=[get_weather], options=GREEDY)
     assert answer.done and (answer.message.content or answer.message.tool_calls)
+    uncalled = {"role": "assistant", "content": first.message.content or ""}
+    without = client.chat(
+        model="smollm2", messages=[*ask, uncalled, result], tools=[get_weather], options=GREEDY | {"num_predict": 1}
+    )
+    assert answer.prompt_eval_count > without.prompt_eval_count  # the call was read into the prompt
 
 
 def test_model_endpoints(client, smollm2):
